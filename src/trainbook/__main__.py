@@ -1,0 +1,3 @@
+from trainbook.cli import main
+
+main()

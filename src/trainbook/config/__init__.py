@@ -1,0 +1,24 @@
+"""Recipe schema, loading (`extends`, overrides), validation and the resolved dump."""
+
+from trainbook.config.load import dump_toml, load_config
+from trainbook.config.schema import (
+    CheckpointConfig,
+    Config,
+    DataConfig,
+    LogConfig,
+    ModelConfig,
+    OptimConfig,
+    ParallelConfig,
+    PrecisionConfig,
+    RunConfig,
+    ScheduleConfig,
+    SourceConfig,
+    TokenizerConfig,
+    TrainConfig,
+)
+
+__all__ = [
+    "CheckpointConfig", "Config", "DataConfig", "LogConfig", "ModelConfig", "OptimConfig",
+    "ParallelConfig", "PrecisionConfig", "RunConfig", "ScheduleConfig", "SourceConfig",
+    "TokenizerConfig", "TrainConfig", "dump_toml", "load_config",
+]

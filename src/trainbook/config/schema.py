@@ -1,0 +1,204 @@
+"""The recipe schema: one typed, frozen tree, one section per component.
+
+Every field has a default and a docstring under it (the docstring is its documentation:
+`trainbook config --help-keys` and the README table are generated from it). Unknown keys are
+errors. Components receive their own section only, e.g. ``build_model(cfg.model)``.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+
+class Section(BaseModel):
+    model_config = ConfigDict(
+        extra="forbid", frozen=True, use_attribute_docstrings=True, validate_default=True
+    )
+
+
+class RunConfig(Section):
+    name: str | None = None
+    """Run name; runs are archived under `<runs_root>/<name>/`. Defaults to the recipe's file stem."""
+    seed: int = 0
+    """The one seed: model init, data order, dropout and sampling all derive from it."""
+    device: Literal["auto", "cpu", "cuda", "npu"] = "auto"
+    """Where to train: `auto` picks cuda, then npu, then cpu."""
+    runs_root: str = "runs"
+    """Directory that holds the run archive, relative to the working directory."""
+    threads: int | None = Field(default=None, ge=1)
+    """CPU threads for intra-op parallelism (torch.set_num_threads); unset keeps torch's default."""
+
+
+class SourceConfig(Section):
+    name: str
+    """Source name, used in reports and metrics."""
+    paths: list[str] = Field(min_length=1)
+    """Globs of input files; `pkg://PACKAGE/sub/dir/*.md` resolves inside an installed package."""
+    format: Literal["text", "markdown"] = "text"
+    """`text`: one document per file (or per `separator`); `markdown`: same, markup stripped."""
+    separator: str | None = None
+    """Split each file into documents on this string (e.g. a blank line); unset: one per file."""
+    weight: float = Field(default=1.0, gt=0)
+    """Relative sampling weight of this source in the mixture."""
+
+
+class DataConfig(Section):
+    sources: list[SourceConfig] = Field(default_factory=list)
+    """The corpus: a list of sources (`[[data.sources]]` tables)."""
+    cache_dir: str = ".trainbook/cache"
+    """Where prepared token shards are cached, keyed by the hash of the inputs and tokenizer."""
+    val_fraction: float = Field(default=0.05, ge=0.0, lt=1.0)
+    """Fraction of documents held out for validation (at least one document when > 0)."""
+    shard_tokens: int = Field(default=50_000_000, ge=1024)
+    """Maximum tokens per shard file."""
+
+
+class TokenizerConfig(Section):
+    kind: Literal["train_bpe", "hf"] = "train_bpe"
+    """`train_bpe`: train a byte-level BPE on the corpus; `hf`: load a `tokenizer.json` from `path`."""
+    path: str | None = None
+    """Tokenizer file, for kinds that load one."""
+    vocab_size: int = Field(default=2048, ge=260)
+    """Vocabulary size when training a tokenizer (256 bytes + specials + merges)."""
+    eos_token: str = "<|endoftext|>"
+    """End-of-document token placed between packed documents."""
+
+
+class ModelConfig(Section):
+    name: str = "tiny"
+    """A registry name (`trainbook.model.registry`); the fields below override its values."""
+    dim: int | None = Field(default=None, ge=1)
+    """Hidden size."""
+    n_layers: int | None = Field(default=None, ge=1)
+    """Number of transformer blocks."""
+    n_heads: int | None = Field(default=None, ge=1)
+    """Attention heads."""
+    n_kv_heads: int | None = Field(default=None, ge=1)
+    """Key/value heads (grouped-query attention); must divide `n_heads`."""
+    vocab_size: int | None = Field(default=None, ge=1)
+    """Embedding rows; must be at least the tokenizer's vocabulary."""
+    ffn_dim: int | None = Field(default=None, ge=1)
+    """SwiGLU hidden size."""
+    norm_eps: float | None = Field(default=None, gt=0)
+    """RMSNorm epsilon."""
+    rope_theta: float | None = Field(default=None, gt=0)
+    """RoPE base frequency."""
+    max_seq_len: int | None = Field(default=None, ge=1)
+    """Longest sequence the RoPE table covers."""
+    tie_embeddings: bool | None = None
+    """Share the token embedding with the output head."""
+    init_std: float | None = Field(default=None, gt=0)
+    """Standard deviation of the normal weight init (output projections scaled by depth)."""
+
+
+class OptimConfig(Section):
+    lr: float = Field(default=3e-4, gt=0)
+    """Peak learning rate (AdamW)."""
+    weight_decay: float = Field(default=0.1, ge=0)
+    """Decoupled weight decay, applied to matrices only unless `decay_norms_and_embeddings`."""
+    beta1: float = Field(default=0.9, ge=0, lt=1)
+    """AdamW beta1."""
+    beta2: float = Field(default=0.95, ge=0, lt=1)
+    """AdamW beta2."""
+    eps: float = Field(default=1e-8, gt=0)
+    """AdamW epsilon."""
+    grad_clip: float = Field(default=1.0, ge=0)
+    """Clip the global gradient norm to this; 0 disables clipping (the norm is still logged)."""
+    decay_norms_and_embeddings: bool = False
+    """Also apply weight decay to norm weights and embeddings."""
+
+
+class ScheduleConfig(Section):
+    kind: Literal["cosine", "linear", "constant"] = "cosine"
+    """Shape after warmup: cosine or linear decay to `min_lr_ratio * lr`, or constant."""
+    warmup_steps: int = Field(default=100, ge=0)
+    """Linear warmup from ~0 to the peak learning rate."""
+    min_lr_ratio: float = Field(default=0.1, ge=0, le=1)
+    """Final learning rate as a fraction of the peak (decaying schedules)."""
+
+
+class TrainConfig(Section):
+    max_steps: int = Field(default=1000, ge=1)
+    """Optimizer steps to train."""
+    seq_len: int = Field(default=256, ge=2)
+    """Tokens per sample."""
+    micro_batch_size: int = Field(default=8, ge=1)
+    """Samples per forward/backward pass."""
+    global_batch_tokens: int | None = Field(default=None, ge=1)
+    """Tokens per optimizer step; a multiple of `seq_len * micro_batch_size` (the quotient is the
+    gradient accumulation). Unset: one micro-batch per step."""
+    eval_every: int = Field(default=100, ge=0)
+    """Evaluate on the held-out split every N steps (and at step 0 and the end); 0 disables."""
+    eval_steps: int = Field(default=10, ge=1)
+    """Validation batches per evaluation."""
+
+    @model_validator(mode="after")
+    def _accumulation_divides(self) -> TrainConfig:
+        per_micro = self.seq_len * self.micro_batch_size
+        if self.global_batch_tokens is not None and self.global_batch_tokens % per_micro:
+            raise ValueError(
+                f"global_batch_tokens={self.global_batch_tokens} is not a multiple of "
+                f"seq_len * micro_batch_size = {per_micro}"
+            )
+        return self
+
+    @property
+    def grad_accum_steps(self) -> int:
+        per_micro = self.seq_len * self.micro_batch_size
+        return (self.global_batch_tokens or per_micro) // per_micro
+
+
+class PrecisionConfig(Section):
+    dtype: Literal["fp32", "bf16"] = "fp32"
+    """Compute dtype: `bf16` runs forward/backward under autocast; weights and optimizer stay fp32."""
+
+
+class ParallelConfig(Section):
+    dp_replicate: int = Field(default=1, ge=1)
+    """Data-parallel replicas (DDP / HSDP outer dimension)."""
+    dp_shard: int = Field(default=1, ge=1)
+    """Fully-sharded data parallel degree (FSDP2)."""
+    tp: int = Field(default=1, ge=1)
+    """Tensor-parallel degree."""
+    pp: int = Field(default=1, ge=1)
+    """Pipeline-parallel stages."""
+
+    @property
+    def world_size(self) -> int:
+        return self.dp_replicate * self.dp_shard * self.tp * self.pp
+
+
+class CheckpointConfig(Section):
+    interval_steps: int = Field(default=0, ge=0)
+    """Save every N steps; 0 saves only at the end of training."""
+    keep_last: int = Field(default=3, ge=1)
+    """Keep the newest N checkpoints; older ones are deleted after a successful save."""
+
+
+class LogConfig(Section):
+    every_steps: int = Field(default=10, ge=1)
+    """Write metrics and a log line every N steps."""
+    level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
+    """Log level of the run log files."""
+    retention_days: int = Field(default=30, ge=1)
+    """Delete per-day log files older than this."""
+    progress: Literal["auto", "bar", "plain"] = "auto"
+    """`auto`: a progress bar on a terminal, plain log lines otherwise."""
+
+
+class Config(Section):
+    """A whole recipe. `extends` is consumed while loading and never appears here."""
+
+    run: RunConfig = RunConfig()
+    data: DataConfig = DataConfig()
+    tokenizer: TokenizerConfig = TokenizerConfig()
+    model: ModelConfig = ModelConfig()
+    optim: OptimConfig = OptimConfig()
+    schedule: ScheduleConfig = ScheduleConfig()
+    train: TrainConfig = TrainConfig()
+    precision: PrecisionConfig = PrecisionConfig()
+    parallel: ParallelConfig = ParallelConfig()
+    checkpoint: CheckpointConfig = CheckpointConfig()
+    log: LogConfig = LogConfig()

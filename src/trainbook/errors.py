@@ -1,0 +1,19 @@
+"""User-facing errors: the CLI prints them as one line and exits with code 2."""
+
+from __future__ import annotations
+
+
+class TrainbookError(Exception):
+    """A problem with the user's input (recipe, data, command line), not a bug.
+
+    `where` names the file and/or key path the problem is in; `str()` gives the one line the
+    CLI prints: ``recipes/x.toml: train.max_steps: must be > 0``.
+    """
+
+    def __init__(self, message: str, *, where: str | None = None):
+        super().__init__(message)
+        self.message = message
+        self.where = where
+
+    def __str__(self) -> str:
+        return f"{self.where}: {self.message}" if self.where else self.message

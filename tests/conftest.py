@@ -1,0 +1,96 @@
+"""Shared fixtures: small real corpora and recipes written into tmp dirs."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+RECIPES = REPO / "recipes"
+
+# A few lines of real play text, enough for a tokenizer and a handful of samples.
+PLAY = """BERNARDO:
+Who's there?
+
+FRANCISCO:
+Nay, answer me: stand, and unfold yourself.
+
+BERNARDO:
+Long live the king!
+
+FRANCISCO:
+You come most carefully upon your hour.
+
+BERNARDO:
+'Tis now struck twelve; get thee to bed, Francisco.
+"""
+
+
+@pytest.fixture
+def corpus(tmp_path: Path) -> Path:
+    """Six small text documents (a different scene each) in tmp_path/corpus/."""
+    root = tmp_path / "corpus"
+    root.mkdir()
+    for i in range(6):
+        (root / f"scene{i}.txt").write_text(f"SCENE {i}.\n" + PLAY * (3 + i))
+    return root
+
+
+def write_recipe(path: Path, corpus: Path, *, extra: str = "") -> Path:
+    """A debug-sized recipe over `corpus` that trains in seconds."""
+    path.write_text(f"""
+[run]
+name = "unit"
+seed = 7
+device = "cpu"
+runs_root = "{path.parent / 'runs'}"
+
+[[data.sources]]
+name = "plays"
+paths = ["{corpus}/*.txt"]
+
+[data]
+cache_dir = "{path.parent / 'cache'}"
+val_fraction = 0.2
+
+[tokenizer]
+vocab_size = 300
+
+[model]
+name = "debug"
+vocab_size = 512
+
+[train]
+seq_len = 32
+micro_batch_size = 4
+global_batch_tokens = 256
+max_steps = 6
+eval_every = 3
+eval_steps = 2
+
+[schedule]
+warmup_steps = 2
+
+[log]
+every_steps = 2
+{extra}
+""")
+    return path
+
+
+@pytest.fixture
+def recipe(tmp_path: Path, corpus: Path) -> Path:
+    return write_recipe(tmp_path / "unit.toml", corpus)
+
+
+def run_cli(*args: str, cwd: Path | None = None, timeout: float = 300) -> subprocess.CompletedProcess:
+    """The real `trainbook` command in a subprocess."""
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    return subprocess.run(
+        [sys.executable, "-m", "trainbook", *args],
+        cwd=cwd, capture_output=True, text=True, timeout=timeout, env=env,
+    )
