@@ -1,0 +1,67 @@
+"""Sampling from a trained model: temperature + top-k, deterministic for a seed.
+
+No KV cache: each new token reruns the model over the (cropped) context. That is O(T^2) per
+sample but trivially correct, and `trainbook sample` on the models trained here is fast enough.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from trainbook.errors import TrainbookError
+
+
+@torch.no_grad()
+def generate(
+    model: torch.nn.Module,
+    prompt_ids: list[int],
+    max_new_tokens: int,
+    *,
+    temperature: float = 0.8,
+    top_k: int | None = 50,
+    seed: int = 0,
+    eos_id: int | None = None,
+) -> list[int]:
+    """The new token ids only (not the prompt), stopping after `eos_id` (included) if it appears.
+
+    `temperature=0` is greedy (argmax); `top_k=None` or 0 samples from the whole vocabulary. The
+    model sees at most its last `max_seq_len` tokens. Sampling draws from a private generator, so
+    the result depends only on the model, prompt and seed, and the global RNG is untouched.
+    The model runs in eval mode and is put back in the mode it was in.
+    """
+    if not prompt_ids:
+        raise TrainbookError("generation needs a prompt of at least one token", where="prompt")
+    if temperature < 0:
+        raise TrainbookError(f"temperature must be >= 0, got {temperature}", where="temperature")
+    device = next(model.parameters()).device
+    max_seq_len = model.cfg.max_seq_len
+    generator = torch.Generator(device=device).manual_seed(seed)
+
+    ids = list(prompt_ids)
+    was_training = model.training
+    model.eval()
+    try:
+        for _ in range(max_new_tokens):
+            context = torch.tensor([ids[-max_seq_len:]], device=device)  # (1, T)
+            logits = model(context)[0, -1].float()  # (vocab,) at the last position
+            next_id = _pick(logits, temperature, top_k, generator)
+            ids.append(next_id)
+            if next_id == eos_id:
+                break
+    finally:
+        model.train(was_training)
+    return ids[len(prompt_ids) :]
+
+
+def _pick(
+    logits: torch.Tensor, temperature: float, top_k: int | None, generator: torch.Generator
+) -> int:
+    if temperature == 0:
+        return int(logits.argmax())
+    logits = logits / temperature
+    if top_k:
+        # Keep the k most likely tokens: everything below the k-th largest logit gets -inf.
+        kth = torch.topk(logits, min(top_k, logits.numel())).values[-1]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    probs = torch.softmax(logits, dim=-1)
+    return int(torch.multinomial(probs, num_samples=1, generator=generator))

@@ -1,0 +1,132 @@
+"""Named model sizes, and `resolve`: a registry name plus overrides -> a complete, valid config.
+
+Each entry is a plain table of every architecture field of `ModelConfig`, citing where its numbers
+come from. A recipe names an entry (`model.name = "tiny"`) and may override any field
+(`model.n_layers = 2`); `resolve` merges the two and checks the shapes fit together, once, so the
+model code can trust its config.
+
+Llama 3.1 and 3.2 checkpoints stretch RoPE to 128K tokens with `rope_scaling` ("llama3" frequency
+scaling). That is out of scope here: RoPE is unscaled, so the Llama entries cover the 8192-token
+context Llama 3 was pre-trained at (`max_seq_len = 8192`), not the advertised 131072.
+"""
+
+from __future__ import annotations
+
+import difflib
+
+from trainbook.config.schema import ModelConfig
+from trainbook.errors import TrainbookError
+
+# The architecture fields every entry must define (everything in ModelConfig but the name).
+_FIELDS = tuple(f for f in ModelConfig.model_fields if f != "name")
+
+# fmt: off
+REGISTRY: dict[str, dict] = {
+    # CPU-sized: a few M parameters, trains on a laptop in minutes. n_kv_heads < n_heads so the
+    # default recipe exercises grouped-query attention. Shapes are ours (no upstream checkpoint).
+    "tiny": dict(
+        source="trainbook (original; Llama-3 architecture scaled down)",
+        dim=192, n_layers=4, n_heads=6, n_kv_heads=2, ffn_dim=512, vocab_size=2048,
+        norm_eps=1e-5, rope_theta=10000.0, max_seq_len=1024, tie_embeddings=True, init_std=0.02,
+    ),
+    # Smallest shape that still has GQA, more than one block and an even head_dim: unit tests.
+    "debug": dict(
+        source="trainbook (original; unit tests)",
+        dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=128, vocab_size=512,
+        norm_eps=1e-5, rope_theta=10000.0, max_seq_len=256, tie_embeddings=False, init_std=0.02,
+    ),
+    # Llama 3.1 shapes; also Table 3 of "The Llama 3 Herd of Models" (arXiv:2407.21783).
+    "llama3-8b": dict(
+        source="https://huggingface.co/meta-llama/Llama-3.1-8B/blob/main/config.json",
+        dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, ffn_dim=14336, vocab_size=128256,
+        norm_eps=1e-5, rope_theta=500000.0, max_seq_len=8192, tie_embeddings=False, init_std=0.02,
+    ),
+    "llama3-70b": dict(
+        source="https://huggingface.co/meta-llama/Llama-3.1-70B/blob/main/config.json",
+        dim=8192, n_layers=80, n_heads=64, n_kv_heads=8, ffn_dim=28672, vocab_size=128256,
+        norm_eps=1e-5, rope_theta=500000.0, max_seq_len=8192, tie_embeddings=False, init_std=0.02,
+    ),
+    "llama3-405b": dict(
+        source="https://huggingface.co/meta-llama/Llama-3.1-405B/blob/main/config.json",
+        dim=16384, n_layers=126, n_heads=128, n_kv_heads=8, ffn_dim=53248, vocab_size=128256,
+        norm_eps=1e-5, rope_theta=500000.0, max_seq_len=8192, tie_embeddings=False, init_std=0.02,
+    ),
+    # Llama 3.2 text models: tied embeddings (the 128K-row matrix is a large share of them).
+    "llama3.2-1b": dict(
+        source="https://huggingface.co/meta-llama/Llama-3.2-1B/blob/main/config.json",
+        dim=2048, n_layers=16, n_heads=32, n_kv_heads=8, ffn_dim=8192, vocab_size=128256,
+        norm_eps=1e-5, rope_theta=500000.0, max_seq_len=8192, tie_embeddings=True, init_std=0.02,
+    ),
+    "llama3.2-3b": dict(
+        source="https://huggingface.co/meta-llama/Llama-3.2-3B/blob/main/config.json",
+        dim=3072, n_layers=28, n_heads=24, n_kv_heads=8, ffn_dim=8192, vocab_size=128256,
+        norm_eps=1e-5, rope_theta=500000.0, max_seq_len=8192, tie_embeddings=True, init_std=0.02,
+    ),
+}
+# fmt: on
+
+
+def names() -> list[str]:
+    """The registry's names, in table order."""
+    return list(REGISTRY)
+
+
+def source(name: str) -> str:
+    """Where an entry's numbers come from (a URL or a note)."""
+    return REGISTRY[_known(name)]["source"]
+
+
+def resolve(cfg: ModelConfig) -> ModelConfig:
+    """Every field filled: the registry entry `cfg.name`, overridden by cfg's non-None fields.
+
+    Idempotent (resolving a resolved config returns an equal one). Raises TrainbookError naming
+    the offending key when the name is unknown or the shapes do not fit together.
+    """
+    entry = REGISTRY[_known(cfg.name)]
+    overrides = {k: v for k, v in cfg.model_dump(exclude={"name"}).items() if v is not None}
+    values = {k: entry[k] for k in _FIELDS} | overrides
+    resolved = ModelConfig(name=cfg.name, **values)
+    _check_shapes(resolved, overridden=set(overrides))
+    return resolved
+
+
+def is_resolved(cfg: ModelConfig) -> bool:
+    """True when every architecture field is set (the model code needs no registry look-up)."""
+    return all(getattr(cfg, k) is not None for k in _FIELDS)
+
+
+def _known(name: str) -> str:
+    if name in REGISTRY:
+        return name
+    close = difflib.get_close_matches(name, REGISTRY, n=1)
+    hint = f"; did you mean {close[0]!r}?" if close else ""
+    raise TrainbookError(
+        f"unknown model {name!r}{hint} (known: {', '.join(REGISTRY)})", where="model.name"
+    )
+
+
+def _check_shapes(cfg: ModelConfig, overridden: set[str]) -> None:
+    # A shape error involves two keys; blame the one the recipe set, since the registry's own
+    # values are consistent (a unit test checks that), else the second one.
+    def blame(*keys: str) -> str:
+        return "model." + next((k for k in keys if k in overridden), keys[-1])
+
+    if cfg.dim % cfg.n_heads:
+        raise TrainbookError(
+            f"dim={cfg.dim} is not divisible by n_heads={cfg.n_heads}",
+            where=blame("dim", "n_heads"),
+        )
+    if cfg.n_heads % cfg.n_kv_heads:
+        raise TrainbookError(
+            f"n_heads={cfg.n_heads} is not a multiple of n_kv_heads={cfg.n_kv_heads} "
+            "(each key/value head serves a whole group of query heads)",
+            where=blame("n_heads", "n_kv_heads"),
+        )
+    head_dim = cfg.dim // cfg.n_heads
+    if head_dim % 2:
+        # RoPE rotates channel pairs, so each head needs an even number of channels.
+        raise TrainbookError(
+            f"head_dim = dim / n_heads = {cfg.dim} / {cfg.n_heads} = {head_dim} is odd; "
+            "RoPE needs an even head_dim",
+            where=blame("dim", "n_heads"),
+        )
