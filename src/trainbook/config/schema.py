@@ -1,8 +1,7 @@
 """The recipe schema: one typed, frozen tree, one section per component.
 
-Every field has a default and a docstring under it (the docstring is its documentation:
-`trainbook config --help-keys` and the README table are generated from it). Unknown keys are
-errors. Components receive their own section only, e.g. ``build_model(cfg.model)``.
+Every field has a default and a docstring under it, which is its documentation (pydantic keeps
+it as the field's description). Unknown keys are errors. Components receive their own section only, e.g. ``build_model(cfg.model)``.
 """
 
 from __future__ import annotations

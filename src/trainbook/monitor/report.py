@@ -1,0 +1,39 @@
+"""The facts one training step produces. The trainer makes them; monitors only read them."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+
+@dataclass(frozen=True)
+class StepReport:
+    step: int
+    """Optimizer steps completed (1-based)."""
+    tokens: int
+    """Tokens trained on so far."""
+    loss: float
+    """Mean training loss over this step's micro-batches."""
+    lr: float
+    grad_norm: float
+    """Global gradient norm before clipping."""
+    tokens_per_s: float
+    step_time_s: float
+    phases: dict[str, float] = field(default_factory=dict)
+    """Seconds spent in data, forward, backward, optimizer."""
+    mem_peak_bytes: int = 0
+    loss_scale: float | None = None
+    time: float = 0.0
+
+    def metrics_record(self) -> dict:
+        """The `metrics.jsonl` line (keys are a contract, see DESIGN.md)."""
+        return {"kind": "train", **asdict(self)}
+
+
+@dataclass(frozen=True)
+class EvalReport:
+    step: int
+    val_loss: float
+    time: float
+
+    def metrics_record(self) -> dict:
+        return {"kind": "eval", **asdict(self)}

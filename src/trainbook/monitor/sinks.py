@@ -1,0 +1,153 @@
+"""Monitors: consume StepReports and EvalReports; never reach back into the trainer."""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+import time
+from pathlib import Path
+from typing import Protocol
+
+from trainbook.monitor.report import EvalReport, StepReport
+
+
+class Monitor(Protocol):
+    def on_step(self, report: StepReport) -> None: ...
+    def on_eval(self, report: EvalReport) -> None: ...
+    def message(self, text: str) -> None: ...
+    def close(self) -> None: ...
+
+
+class JsonlWriter:
+    """Appends one JSON object per line and flushes it, so a crash loses at most one line."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        self._file = open(path, "a", encoding="utf-8")
+
+    def write(self, record: dict) -> None:
+        self._file.write(json.dumps(record) + "\n")
+        self._file.flush()
+
+    def close(self) -> None:
+        self._file.close()
+
+
+class EventLog(JsonlWriter):
+    """events.jsonl: checkpoints, evaluations of note, resumes, alerts."""
+
+    def emit(self, kind: str, step: int, **fields) -> None:
+        self.write({"kind": kind, "step": step, "time": time.time(), **fields})
+
+
+def format_step(r: StepReport, max_steps: int) -> str:
+    eta = (max_steps - r.step) * r.step_time_s
+    return (
+        f"step {r.step}/{max_steps} loss {r.loss:.4f} lr {r.lr:.2e} grad_norm {r.grad_norm:.3f} "
+        f"tok/s {r.tokens_per_s:,.0f} eta {_duration(eta)}"
+    )
+
+
+def _duration(seconds: float) -> str:
+    minutes, secs = divmod(int(seconds), 60)
+    hours, minutes = divmod(minutes, 60)
+    return f"{hours}h{minutes:02d}m" if hours else f"{minutes}m{secs:02d}s"
+
+
+def _due(step: int, every: int, max_steps: int) -> bool:
+    return step % every == 0 or step == max_steps
+
+
+class MetricsFile:
+    """metrics.jsonl: a train line every `every_steps` (and at the last step), every eval."""
+
+    def __init__(self, path: Path, every_steps: int, max_steps: int):
+        self._writer = JsonlWriter(path)
+        self.every_steps = every_steps
+        self.max_steps = max_steps
+
+    def on_step(self, report: StepReport) -> None:
+        if _due(report.step, self.every_steps, self.max_steps):
+            self._writer.write(report.metrics_record())
+
+    def on_eval(self, report: EvalReport) -> None:
+        self._writer.write(report.metrics_record())
+
+    def message(self, text: str) -> None:
+        pass
+
+    def close(self) -> None:
+        self._writer.close()
+
+
+class LogLines:
+    """The run log: the same plain line the console shows, at the logging cadence."""
+
+    def __init__(self, logger: logging.Logger, every_steps: int, max_steps: int):
+        self.logger = logger
+        self.every_steps = every_steps
+        self.max_steps = max_steps
+
+    def on_step(self, report: StepReport) -> None:
+        if _due(report.step, self.every_steps, self.max_steps):
+            self.logger.info(format_step(report, self.max_steps))
+
+    def on_eval(self, report: EvalReport) -> None:
+        self.logger.info(f"eval step {report.step}: val_loss {report.val_loss:.4f}")
+
+    def message(self, text: str) -> None:
+        self.logger.info(text)
+
+    def close(self) -> None:
+        pass
+
+
+class PlainConsole(LogLines):
+    """When stdout is not a terminal: plain lines at the logging cadence, flushed at once."""
+
+    def __init__(self, every_steps: int, max_steps: int):
+        printer = logging.getLogger("trainbook.console")
+        printer.propagate = False
+        if not printer.handlers:
+            handler = logging.StreamHandler(sys.stdout)
+            handler.setFormatter(logging.Formatter("%(message)s"))
+            printer.addHandler(handler)
+        printer.setLevel(logging.INFO)
+        super().__init__(printer, every_steps, max_steps)
+
+
+class ProgressBar:
+    """On a terminal: one live bar with step, loss, tokens/s and ETA; messages print above it."""
+
+    def __init__(self, max_steps: int):
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+        self._progress = Progress(
+            TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(),
+            TextColumn("loss {task.fields[loss]}  tok/s {task.fields[tps]}"),
+            TimeRemainingColumn(), transient=False,
+        )
+        self._task = self._progress.add_task("train", total=max_steps, loss="-", tps="-")
+        self._progress.start()
+
+    def on_step(self, report: StepReport) -> None:
+        self._progress.update(
+            self._task, completed=report.step, loss=f"{report.loss:.4f}", tps=f"{report.tokens_per_s:,.0f}"
+        )
+
+    def on_eval(self, report: EvalReport) -> None:
+        self.message(f"eval step {report.step}: val_loss {report.val_loss:.4f}")
+
+    def message(self, text: str) -> None:
+        self._progress.console.print(text)
+
+    def close(self) -> None:
+        self._progress.stop()
+
+
+def console_monitor(mode: str, every_steps: int, max_steps: int) -> Monitor:
+    """`auto`: a bar on a terminal, plain lines otherwise."""
+    if mode == "bar" or (mode == "auto" and sys.stdout.isatty()):
+        return ProgressBar(max_steps)
+    return PlainConsole(every_steps, max_steps)

@@ -1,0 +1,39 @@
+"""Device selection for `run.device`."""
+
+from __future__ import annotations
+
+import torch
+
+from trainbook.errors import TrainbookError
+
+
+def _npu_available() -> bool:
+    # torch_npu registers `torch.npu` when imported; without it there is no NPU backend.
+    try:
+        import torch_npu  # noqa: F401
+    except ImportError:
+        return False
+    return torch.npu.is_available()
+
+
+def pick_device(kind: str) -> torch.device:
+    """`auto`: cuda, then npu, then cpu; an explicit kind that is not available is an error."""
+    if kind == "auto":
+        if torch.cuda.is_available():
+            return torch.device("cuda")
+        return torch.device("npu") if _npu_available() else torch.device("cpu")
+    available = {"cpu": True, "cuda": torch.cuda.is_available, "npu": _npu_available}[kind]
+    if available is not True and not available():
+        raise TrainbookError(f"device {kind!r} is not available on this machine", where="run.device")
+    return torch.device(kind)
+
+
+def peak_memory_bytes(device: torch.device) -> int:
+    """Peak memory of this process on `device`: allocator peak on accelerators, peak RSS on CPU."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device)
+    if device.type == "npu":
+        return torch.npu.max_memory_allocated(device)
+    import resource  # POSIX only; imported here so the module imports elsewhere
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB

@@ -1,0 +1,124 @@
+"""The run directory: one archived experiment, laid out as DESIGN.md specifies.
+
+    runs/<name>/<YYYYmmdd-HHMMSS>-<id>/
+      recipe.toml  config.resolved.toml  env.json  tokenizer.json
+      logs/  metrics.jsonl  events.jsonl  checkpoints/
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import importlib.metadata
+import os
+import platform
+import secrets
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from trainbook.errors import TrainbookError
+
+# Distributions whose versions decide whether a run can be reproduced.
+TRACKED_PACKAGES = (
+    "trainbook", "torch", "torch_npu", "numpy", "tokenizers", "pydantic", "safetensors",
+    "transformers", "typer", "rich", "tomli-w",
+)
+
+
+def create_run_dir(runs_root: str | Path, name: str, run_dir: str | Path | None = None) -> Path:
+    """Make a fresh run directory; an existing non-empty one is never written into."""
+    if run_dir is None:
+        stamp = dt.datetime.now().strftime("%Y%m%d-%H%M%S")
+        run_dir = Path(runs_root) / name / f"{stamp}-{secrets.token_hex(3)}"
+    run_dir = Path(run_dir)
+    if run_dir.exists() and any(run_dir.iterdir()):
+        raise TrainbookError(
+            "directory is not empty; a run is never started on top of another",
+            where=f"--run-dir {run_dir}",
+        )
+    (run_dir / "logs").mkdir(parents=True, exist_ok=True)
+    return run_dir
+
+
+def write_text_atomic(path: Path, text: str) -> None:
+    """Write via a temp file and rename, so readers never see half a file."""
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "w", encoding="utf-8") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def capture_env(world_size: int, device: torch.device) -> dict:
+    """The version matrix and the facts of the machine a run ran on (env.json)."""
+    env = {
+        "time": time.time(),
+        "host": socket.gethostname(),
+        "command": sys.argv,
+        "cwd": os.getcwd(),
+        "python": sys.version.split()[0],
+        "platform": platform.platform(),
+        "cpu_count": os.cpu_count(),
+        "torch": torch.__version__,
+        "torch_threads": torch.get_num_threads(),
+        "cuda": torch.version.cuda,
+        "world_size": world_size,
+        "device": str(device),
+        "devices": _device_names(),
+        "packages": _package_versions(),
+        "git": _git_state(Path.cwd()),
+    }
+    env.update(_accelerator_versions())
+    return env
+
+
+def _device_names() -> list[str]:
+    if torch.cuda.is_available():
+        return [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
+    if hasattr(torch, "npu") and torch.npu.is_available():  # registered by torch_npu
+        return [torch.npu.get_device_name(i) for i in range(torch.npu.device_count())]
+    return [platform.processor() or platform.machine()]
+
+
+def _accelerator_versions() -> dict:
+    versions = {}
+    if torch.cuda.is_available():
+        versions["cuda_driver"] = _command_output(
+            ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"]
+        )
+    cann = os.environ.get("ASCEND_TOOLKIT_HOME")
+    if cann:
+        info = Path(cann) / "version.cfg"
+        versions["cann"] = info.read_text().strip() if info.is_file() else cann
+    return versions
+
+
+def _package_versions() -> dict[str, str]:
+    versions = {}
+    for name in TRACKED_PACKAGES:
+        try:
+            versions[name] = importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            pass
+    return versions
+
+
+def _git_state(where: Path) -> dict | None:
+    commit = _command_output(["git", "-C", str(where), "rev-parse", "HEAD"])
+    if commit is None:
+        return None
+    status = _command_output(["git", "-C", str(where), "status", "--porcelain"])
+    return {"commit": commit, "dirty": bool(status)}
+
+
+def _command_output(argv: list[str]) -> str | None:
+    try:
+        done = subprocess.run(argv, capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return done.stdout.strip() if done.returncode == 0 else None
