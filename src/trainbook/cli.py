@@ -1,0 +1,113 @@
+"""The `trainbook` command: one subcommand per function, user errors as one line with exit code 2."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Annotated, Optional
+
+import click
+import typer
+
+from trainbook.errors import TrainbookError
+
+DEFAULT_RECIPE = "recipes/tiny-shakespeare.toml"
+
+app = typer.Typer(
+    add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
+    help="Reproducible large-model training recipes.",
+)
+
+RecipeArg = Annotated[
+    Optional[str], typer.Argument(help=f"Recipe TOML (default: {DEFAULT_RECIPE}).", show_default=False)
+]
+OverridesArg = Annotated[Optional[list[str]], typer.Argument(help="key.path=value overrides.", show_default=False)]
+
+
+def _recipe_and_overrides(recipe: str | None, overrides: list[str] | None) -> tuple[Path, list[str]]:
+    """`trainbook run train.max_steps=5` means the default recipe with one override."""
+    overrides = list(overrides or [])
+    if recipe is not None and "=" in recipe and not recipe.endswith(".toml"):
+        overrides.insert(0, recipe)
+        recipe = None
+    if recipe is None:
+        return _default_recipe(), overrides
+    path = Path(recipe)
+    if not path.is_file():
+        raise TrainbookError("recipe file not found", where=recipe)
+    return path, overrides
+
+
+def _default_recipe() -> Path:
+    """The embedded default: the working directory's copy if there is one, else the packaged one."""
+    local = Path(DEFAULT_RECIPE)
+    return local if local.is_file() else Path(__file__).parent / "recipes" / local.name
+
+
+@app.command()
+def run(
+    recipe: RecipeArg = None,
+    overrides: OverridesArg = None,
+    run_dir: Annotated[Optional[Path], typer.Option(help="Exact run directory (must be new or empty).")] = None,
+) -> None:
+    """Train a recipe; the run is archived under runs/<name>/<time>-<id>/."""
+    from trainbook.train.run import start_run
+
+    path, overrides = _recipe_and_overrides(recipe, overrides)
+    summary = start_run(path, overrides, run_dir)
+    val = f", val_loss {summary['val_loss']:.4f}" if summary["val_loss"] is not None else ""
+    typer.echo(f"done: {summary['step']} steps, loss {summary['loss']:.4f}{val} -> {summary['run_dir']}")
+
+
+@app.command()
+def prepare(recipe: RecipeArg = None, overrides: OverridesArg = None) -> None:
+    """Prepare the recipe's data only: sources -> tokenizer -> token shards (cached)."""
+    from trainbook.train.run import prepare_data, resolve_config
+
+    path, overrides = _recipe_and_overrides(recipe, overrides)
+    data = prepare_data(resolve_config(path, overrides), path, log=typer.echo)
+    state = "cached" if data.cached else "prepared"
+    counts = data.manifest.get("tokens", {})
+    typer.echo(f"{state}: {data.dir} ({', '.join(f'{k} {v:,} tokens' for k, v in counts.items())})")
+
+
+@app.command()
+def config(recipe: RecipeArg = None, overrides: OverridesArg = None) -> None:
+    """Print the resolved config (after extends and overrides) as TOML."""
+    from trainbook.config import dump_toml
+    from trainbook.train.run import resolve_config
+
+    path, overrides = _recipe_and_overrides(recipe, overrides)
+    typer.echo(dump_toml(resolve_config(path, overrides)), nl=False)
+
+
+@app.command()
+def sample(
+    target: Annotated[Path, typer.Argument(help="A run directory or one of its checkpoints.")],
+    prompt: Annotated[str, typer.Option(help="Text to continue.")] = "\n",
+    max_new_tokens: Annotated[int, typer.Option(min=1)] = 200,
+    temperature: Annotated[float, typer.Option(min=0.0, help="0 is greedy.")] = 0.8,
+    top_k: Annotated[int, typer.Option(min=0, help="0 keeps every token.")] = 50,
+    seed: int = 0,
+) -> None:
+    """Generate text from a run's latest checkpoint."""
+    from trainbook.train.sample import sample as generate_text
+
+    typer.echo(generate_text(
+        target, prompt, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, seed=seed
+    ))
+
+
+def main() -> None:
+    try:
+        code = app(standalone_mode=False)
+    except TrainbookError as e:
+        print(f"trainbook: error: {e}", file=sys.stderr)
+        sys.exit(2)
+    except click.ClickException as e:
+        e.show()
+        sys.exit(e.exit_code)
+    except (click.exceptions.Abort, KeyboardInterrupt):
+        print("trainbook: interrupted", file=sys.stderr)
+        sys.exit(130)
+    sys.exit(code if isinstance(code, int) else 0)

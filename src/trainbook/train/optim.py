@@ -1,0 +1,48 @@
+"""AdamW with parameter groups: weight decay on matrices, none on norms and embeddings."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from trainbook.config import OptimConfig
+
+
+def param_groups(model: nn.Module, decay_all: bool) -> list[dict]:
+    """Split trainable parameters by role, found from module types, never from names."""
+    no_decay_ids = set()
+    if not decay_all:
+        for module in model.modules():
+            if isinstance(module, nn.Embedding):
+                no_decay_ids.update(id(p) for p in module.parameters(recurse=False))
+        # Norm weights, biases, gains: every vector.
+        no_decay_ids.update(id(p) for p in model.parameters() if p.ndim < 2)
+    decay, no_decay = [], []
+    for p in model.parameters():  # tied weights appear once
+        if p.requires_grad:
+            (no_decay if id(p) in no_decay_ids else decay).append(p)
+    return [{"params": decay, "use_decay": True}, {"params": no_decay, "use_decay": False}]
+
+
+def build_optimizer(model: nn.Module, cfg: OptimConfig) -> torch.optim.AdamW:
+    groups = param_groups(model, cfg.decay_norms_and_embeddings)
+    for group in groups:
+        group["weight_decay"] = cfg.weight_decay if group.pop("use_decay") else 0.0
+    return torch.optim.AdamW(
+        [g for g in groups if g["params"]], lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps
+    )
+
+
+def optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, dict]:
+    """Per-parameter optimizer state keyed by parameter name, tensors only.
+
+    Hyperparameters are not saved: they come from the recipe (and the LR from the schedule).
+    Tensors-only state means a checkpoint never needs unpickling to load.
+    """
+    return {name: dict(optimizer.state[p]) for name, p in model.named_parameters() if p in optimizer.state}
+
+
+def load_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer, state: dict[str, dict]) -> None:
+    for name, p in model.named_parameters():
+        if name in state:
+            optimizer.state[p] = {key: value.clone() for key, value in state[name].items()}

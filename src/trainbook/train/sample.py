@@ -1,0 +1,44 @@
+"""Generate text from a run's checkpoint."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from trainbook.checkpoint import latest_checkpoint, load_state
+from trainbook.config import load_config
+from trainbook.data import Tokenizer
+from trainbook.errors import TrainbookError
+from trainbook.model import build_model, generate
+
+
+def locate(target: Path) -> tuple[Path, Path]:
+    """(run directory, checkpoint directory) for a run directory or a checkpoint directory."""
+    target = Path(target)
+    if (target / ".metadata").is_file():
+        return target.parent.parent, target
+    if (target / "config.resolved.toml").is_file():
+        ckpt = latest_checkpoint(target / "checkpoints")
+        if ckpt is None:
+            raise TrainbookError("run has no complete checkpoint yet", where=str(target))
+        return target, ckpt
+    raise TrainbookError("neither a run directory nor a checkpoint", where=str(target))
+
+
+def sample(
+    target: Path, prompt: str, *, max_new_tokens: int, temperature: float, top_k: int, seed: int
+) -> str:
+    run_dir, ckpt = locate(target)
+    cfg = load_config(run_dir / "config.resolved.toml")
+    tokenizer = Tokenizer.load(run_dir / "tokenizer.json", cfg.tokenizer.eos_token)
+    model = build_model(cfg.model, torch.device("cpu"), seed=cfg.run.seed)
+    state = {"model": model.state_dict()}
+    load_state(ckpt, state)
+    model.load_state_dict(state["model"])
+    prompt_ids = tokenizer.encode(prompt)
+    out = generate(
+        model, prompt_ids, max_new_tokens, temperature=temperature, top_k=top_k, seed=seed,
+        eos_id=tokenizer.eos_id,
+    )
+    return prompt + tokenizer.decode(out[len(prompt_ids):])

@@ -1,0 +1,153 @@
+"""The Trainer: a short list of build_* steps, then one loop that reads top-down.
+
+Data flows one way: each step produces a StepReport, the monitors consume it.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from trainbook.checkpoint import Checkpointer
+from trainbook.config import Config
+from trainbook.data import Prepared, TrainLoader, val_batches
+from trainbook.model import build_model, num_params
+from trainbook.monitor import (
+    EvalReport, EventLog, LogLines, MetricsFile, StepReport, close_run_logger, console_monitor,
+    setup_run_logger,
+)
+from trainbook.parallel.device import peak_memory_bytes
+from trainbook.precision import Precision
+from trainbook.train.optim import build_optimizer, optimizer_state
+from trainbook.train.schedule import LRSchedule
+from trainbook.train.step import evaluate, train_step
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+class Trainer:
+    def __init__(self, cfg: Config, run_dir: Path, data: Prepared, device: torch.device):
+        self.cfg = cfg
+        self.device = device
+        self.run_dir = Path(run_dir)
+        seed_everything(cfg.run.seed)
+        self.model = build_model(cfg.model, device, seed=cfg.run.seed)
+        self.optimizer = build_optimizer(self.model, cfg.optim)
+        self.schedule = LRSchedule(cfg.schedule, cfg.optim.lr, cfg.train.max_steps)
+        self.precision = Precision(cfg.precision, device)
+        self.train_loader = TrainLoader(
+            data.train, cfg.train.seq_len, cfg.train.micro_batch_size, seed=cfg.run.seed
+        )
+        self.val_batches = self._build_val_batches(data)
+        self.checkpointer = Checkpointer(self.run_dir / "checkpoints", cfg.checkpoint)
+        self.logger, self.events, self.monitors = self._build_monitors()
+        self.step = 0
+        self.tokens = 0
+        t = cfg.train
+        self.tokens_per_step = t.grad_accum_steps * t.micro_batch_size * t.seq_len
+
+    def _build_val_batches(self, data: Prepared) -> list:
+        t = self.cfg.train
+        if t.eval_every == 0:
+            return []
+        return list(val_batches(data.val, t.seq_len, t.micro_batch_size, t.eval_steps))
+
+    def _build_monitors(self) -> tuple[logging.Logger, EventLog, list]:
+        log, max_steps = self.cfg.log, self.cfg.train.max_steps
+        logger = setup_run_logger(self.run_dir / "logs", rank=0, level=log.level, retention_days=log.retention_days)
+        events = EventLog(self.run_dir / "events.jsonl")
+        monitors = [
+            MetricsFile(self.run_dir / "metrics.jsonl", log.every_steps, max_steps),
+            LogLines(logger, log.every_steps, max_steps),
+            console_monitor(log.progress, log.every_steps, max_steps),
+        ]
+        return logger, events, monitors
+
+    # ---- the loop ------------------------------------------------------------------------
+
+    def fit(self) -> dict:
+        """Train to `train.max_steps`; returns a summary of the run."""
+        t = self.cfg.train
+        self._announce()
+        batches = iter(self.train_loader)
+        last_eval = self._evaluate() if self.val_batches else None
+        report = None
+        while self.step < t.max_steps:
+            report = self.advance(batches)
+            if self.val_batches and (self.step % t.eval_every == 0 or self.step == t.max_steps):
+                last_eval = self._evaluate()
+            if self.checkpointer.due(self.step, t.max_steps):
+                self._save_checkpoint()
+        return {"step": self.step, "tokens": self.tokens, "loss": report.loss if report else None,
+                "val_loss": last_eval, "run_dir": str(self.run_dir)}
+
+    def advance(self, batches: Iterator) -> StepReport:
+        """One optimizer step: set the LR, run train_step, count, and report to the monitors."""
+        lr = self.schedule(self.step)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        start = time.perf_counter()
+        result = train_step(
+            self.model, self.optimizer, batches, accum_steps=self.cfg.train.grad_accum_steps,
+            grad_clip=self.cfg.optim.grad_clip, precision=self.precision, device=self.device,
+        )
+        elapsed = time.perf_counter() - start
+        self.step += 1
+        self.tokens += self.tokens_per_step
+        report = StepReport(
+            step=self.step, tokens=self.tokens, loss=result.loss, lr=lr, grad_norm=result.grad_norm,
+            tokens_per_s=self.tokens_per_step / elapsed, step_time_s=elapsed, phases=result.phases,
+            mem_peak_bytes=peak_memory_bytes(self.device), time=time.time(),
+        )
+        for monitor in self.monitors:
+            monitor.on_step(report)
+        return report
+
+    def _announce(self) -> None:
+        t, tokens_per_step = self.cfg.train, self.tokens_per_step
+        self._message(
+            f"run {self.run_dir} | model {self.cfg.model.name}: {num_params(self.model):,} parameters | "
+            f"{t.max_steps} steps x {tokens_per_step:,} tokens ({t.grad_accum_steps} x "
+            f"{t.micro_batch_size} x {t.seq_len}) | device {self.device}"
+        )
+        self.events.emit("start", self.step, tokens_per_step=tokens_per_step)
+
+    def _evaluate(self) -> float:
+        val_loss = evaluate(self.model, self.val_batches, self.precision, self.device)
+        report = EvalReport(step=self.step, val_loss=val_loss, time=time.time())
+        for monitor in self.monitors:
+            monitor.on_eval(report)
+        return val_loss
+
+    def _save_checkpoint(self) -> None:
+        path = self.checkpointer.save(self.step, self.state_dict())
+        self.events.emit("checkpoint", self.step, path=str(path.relative_to(self.run_dir)))
+        self._message(f"checkpoint saved: {path}")
+
+    def state_dict(self) -> dict:
+        """Everything a checkpoint holds (the checkpoint issue adds RNG and data position)."""
+        return {
+            "model": self.model.state_dict(),
+            "optim": optimizer_state(self.model, self.optimizer),
+            "trainer": {"step": torch.tensor(self.step), "tokens": torch.tensor(self.tokens)},
+        }
+
+    def _message(self, text: str) -> None:
+        for monitor in self.monitors:
+            monitor.message(text)
+
+    def close(self) -> None:
+        for monitor in self.monitors:
+            monitor.close()
+        self.events.close()
+        close_run_logger(self.logger)

@@ -1,0 +1,73 @@
+"""Bad input: one line naming the file and key, exit code 2, no traceback, nothing overwritten."""
+
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import run_cli, write_recipe
+
+
+def _fails(*args: str, cwd: Path | None = None) -> str:
+    done = run_cli(*args, cwd=cwd)
+    assert done.returncode == 2, (done.returncode, done.stdout, done.stderr)
+    assert "Traceback" not in done.stderr
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1, done.stderr
+    return lines[0]
+
+
+def test_unknown_key_with_suggestion(tmp_path, corpus):
+    recipe = write_recipe(tmp_path / "r.toml", corpus, extra="[optim]\nweight_decai = 0.1\n")
+    line = _fails("run", str(recipe))
+    assert line == f"trainbook: error: {recipe}: optim.weight_decai: unknown key 'weight_decai'; did you mean 'weight_decay'?"
+
+
+def test_wrong_type_and_out_of_range(recipe):
+    assert "command line: train.seq_len: Input should be a valid integer" in _fails("run", str(recipe), "train.seq_len=8.5")
+    assert "command line: optim.lr: Input should be greater than 0" in _fails("config", str(recipe), "optim.lr=0")
+    assert "command line: optim.lr: Input should be greater than 0" in _fails("run", str(recipe), "optim.lr=0")
+
+
+def test_missing_corpus_path(tmp_path, corpus):
+    recipe = write_recipe(tmp_path / "r.toml", tmp_path / "nowhere")
+    line = _fails("run", str(recipe))
+    assert "data.sources[0].paths" in line and "nowhere" in line
+    assert not (tmp_path / "runs").exists()  # nothing was started
+
+
+def test_empty_corpus(tmp_path):
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    (empty / "a.txt").write_text("")
+    (empty / "b.txt").write_text("\n\n")
+    line = _fails("run", str(write_recipe(tmp_path / "r.toml", empty)))
+    assert "data.sources[0]" in line
+
+
+def test_tokenizer_larger_than_the_model(recipe):
+    line = _fails("run", str(recipe), "model.vocab_size=256")
+    assert f"{recipe}: model.vocab_size:" in line and "256" in line
+
+
+def test_model_shape_errors_name_the_key(recipe):
+    assert "model.n_kv_heads" in _fails("run", str(recipe), "model.n_kv_heads=3")
+    assert "model.name" in _fails("config", str(recipe), "model.name=llama3-9b")
+
+
+def test_missing_recipe():
+    assert "nope.toml: recipe file not found" in _fails("run", "nope.toml")
+
+
+def test_existing_run_directory_is_never_overwritten(recipe, tmp_path):
+    run_dir = tmp_path / "taken"
+    run_dir.mkdir()
+    (run_dir / "metrics.jsonl").write_text('{"kind": "train", "step": 1}\n')
+    line = _fails("run", str(recipe), "--run-dir", str(run_dir))
+    assert "--run-dir" in line and "not empty" in line
+    assert (run_dir / "metrics.jsonl").read_text() == '{"kind": "train", "step": 1}\n'
+    assert sorted(p.name for p in run_dir.iterdir()) == ["metrics.jsonl"]
+
+
+@pytest.mark.parametrize("override", ["parallel.tp=2"])
+def test_layout_needing_more_processes(recipe, override):
+    assert "parallel" in _fails("run", str(recipe), override)

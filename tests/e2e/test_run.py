@@ -1,0 +1,128 @@
+"""The real `trainbook` command in subprocesses: run, archive layout, sample, config, prepare."""
+
+import json
+import time
+from pathlib import Path
+
+import pytest
+import tomllib
+
+from tests.conftest import run_cli, write_recipe
+from trainbook.config import load_config
+
+TRAIN_KEYS = {"kind", "step", "tokens", "loss", "lr", "grad_norm", "tokens_per_s", "step_time_s",
+              "phases", "mem_peak_bytes", "loss_scale", "time"}
+
+
+def _jsonl(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+@pytest.fixture(scope="module")
+def finished_run(tmp_path_factory):
+    """One small run shared by the tests below (training is the slow part)."""
+    from tests.conftest import PLAY
+
+    tmp = tmp_path_factory.mktemp("e2e")
+    corpus = tmp / "corpus"
+    corpus.mkdir()
+    for i in range(6):
+        (corpus / f"scene{i}.txt").write_text(f"SCENE {i}.\n" + PLAY * (3 + i))
+    recipe = write_recipe(tmp / "unit.toml", corpus)
+    run_dir = tmp / "run"
+    done = run_cli("run", str(recipe), "train.max_steps=6", "--run-dir", str(run_dir), cwd=tmp)
+    assert done.returncode == 0, done.stderr
+    return recipe, run_dir, done
+
+
+def test_run_archive_layout(finished_run):
+    recipe, run_dir, done = finished_run
+    assert f"-> {run_dir}" in done.stdout
+    assert (run_dir / "recipe.toml").read_text() == recipe.read_text()
+    resolved = load_config(run_dir / "config.resolved.toml")
+    assert resolved.train.max_steps == 6  # the override is in the archive
+    assert resolved.model.dim == 64  # the registry entry is filled in
+    assert resolved == load_config(recipe, ["train.max_steps=6"]).model_copy(update={"model": resolved.model})
+
+    env = json.loads((run_dir / "env.json").read_text())
+    for key in ("python", "torch", "host", "command", "world_size", "devices", "packages", "git"):
+        assert key in env, key
+    assert env["world_size"] == 1 and env["packages"]["torch"].startswith("2.")
+
+    logs = list((run_dir / "logs").glob("rank0-*.log"))
+    assert [p.name for p in logs] == [f"rank0-{time.strftime('%Y-%m-%d')}.log"]
+    assert "step 6/6 loss" in logs[0].read_text()
+    assert (run_dir / "tokenizer.json").is_file()
+
+
+def test_metrics_follow_the_contract(finished_run):
+    _, run_dir, _ = finished_run
+    records = _jsonl(run_dir / "metrics.jsonl")
+    train = [r for r in records if r["kind"] == "train"]
+    evals = [r for r in records if r["kind"] == "eval"]
+    assert [r["step"] for r in train] == [2, 4, 6]  # log.every_steps = 2
+    assert [r["step"] for r in evals] == [0, 3, 6]  # eval_every = 3, plus step 0 and the end
+    for r in train:
+        assert TRAIN_KEYS <= set(r), TRAIN_KEYS - set(r)
+        assert set(r["phases"]) == {"data", "forward", "backward", "optimizer"}
+        assert r["tokens"] == r["step"] * 256 and r["tokens_per_s"] > 0 and r["mem_peak_bytes"] > 0
+    assert evals[-1]["val_loss"] < evals[0]["val_loss"]
+
+
+def test_events_and_final_checkpoint(finished_run):
+    _, run_dir, _ = finished_run
+    events = _jsonl(run_dir / "events.jsonl")
+    assert [e["kind"] for e in events] == ["start", "checkpoint"]
+    assert events[1]["step"] == 6 and events[1]["path"] == "checkpoints/step-6"
+    assert (run_dir / "checkpoints" / "latest").read_text().strip() == "step-6"
+
+
+def test_sample_from_the_run(finished_run):
+    _, run_dir, _ = finished_run
+    args = ("sample", str(run_dir), "--prompt", "BERNARDO:", "--max-new-tokens", "12", "--seed", "3")
+    first, second = run_cli(*args), run_cli(*args)
+    assert first.returncode == 0, first.stderr
+    assert first.stdout.startswith("BERNARDO:") and len(first.stdout) > len("BERNARDO:\n")
+    assert first.stdout == second.stdout  # seeded sampling
+    ckpt = run_cli("sample", str(run_dir / "checkpoints" / "step-6"), "--prompt", "BERNARDO:",
+                   "--max-new-tokens", "12", "--seed", "3")
+    assert ckpt.stdout == first.stdout  # a checkpoint directory works as well as the run
+
+
+def test_same_seed_gives_bitwise_identical_losses(finished_run, tmp_path):
+    recipe, run_dir, _ = finished_run
+    again = tmp_path / "again"
+    done = run_cli("run", str(recipe), "train.max_steps=6", "--run-dir", str(again), cwd=recipe.parent)
+    assert done.returncode == 0, done.stderr
+    series = lambda d: [(r["kind"], r["step"], r.get("loss"), r.get("val_loss"), r.get("grad_norm"))
+                        for r in _jsonl(d / "metrics.jsonl")]
+    assert series(again) == series(run_dir)
+
+
+def test_config_prints_the_resolved_recipe(recipe):
+    done = run_cli("config", str(recipe), "train.max_steps=11", "model.n_layers=3")
+    assert done.returncode == 0, done.stderr
+    tree = tomllib.loads(done.stdout)
+    assert tree["train"]["max_steps"] == 11
+    assert tree["model"]["n_layers"] == 3 and tree["model"]["dim"] == 64
+
+
+def test_prepare_twice_does_the_work_once(recipe):
+    first = run_cli("prepare", str(recipe))
+    assert first.returncode == 0, first.stderr
+    assert first.stdout.splitlines()[-1].startswith("prepared:")
+    second = run_cli("prepare", str(recipe))
+    assert second.stdout.splitlines()[-1].startswith("cached:")
+
+
+@pytest.mark.slow
+def test_embedded_default_recipe_runs(tmp_path):
+    """`trainbook run` with no recipe: the packaged Shakespeare recipe, cut to two steps."""
+    done = run_cli("run", "train.max_steps=2", "train.eval_steps=1", "train.micro_batch_size=2",
+                   "train.global_batch_tokens=512", f"data.cache_dir={tmp_path / 'cache'}",
+                   f"run.runs_root={tmp_path / 'runs'}", cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    run_dir = next((tmp_path / "runs" / "tiny-shakespeare").iterdir())
+    resolved = load_config(run_dir / "config.resolved.toml")
+    assert resolved.tokenizer.vocab_size == 2048 and resolved.model.dim == 192
+    assert len([r for r in _jsonl(run_dir / "metrics.jsonl") if r["kind"] == "train"]) == 1
