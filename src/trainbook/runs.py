@@ -44,16 +44,6 @@ def create_run_dir(runs_root: str | Path, name: str, run_dir: str | Path | None 
     return run_dir
 
 
-def write_text_atomic(path: Path, text: str) -> None:
-    """Write via a temp file and rename, so readers never see half a file."""
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "w", encoding="utf-8") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-
-
 def capture_env(world_size: int, device: torch.device) -> dict:
     """The version matrix and the facts of the machine a run ran on (env.json)."""
     env = {

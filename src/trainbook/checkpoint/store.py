@@ -17,6 +17,7 @@ from pathlib import Path
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
+from trainbook.atomic import atomic_write_text
 from trainbook.config import CheckpointConfig
 from trainbook.errors import TrainbookError
 
@@ -51,7 +52,7 @@ class Checkpointer:
         if final.exists():
             shutil.rmtree(final)
         os.replace(tmp, final)
-        _write_atomic(self.root / LATEST, final.name + "\n")
+        atomic_write_text(self.root / LATEST, final.name + "\n")
         self._prune()
         return final
 
@@ -62,15 +63,6 @@ class Checkpointer:
         )
         for old in complete[: -self.keep_last]:
             shutil.rmtree(old, ignore_errors=True)
-
-
-def _write_atomic(path: Path, text: str) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
 
 
 def latest_checkpoint(checkpoints: Path) -> Path | None:

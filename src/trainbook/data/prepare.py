@@ -25,7 +25,8 @@ import numpy as np
 import tokenizers
 
 from trainbook.config.schema import DataConfig, TokenizerConfig
-from trainbook.data.shards import ShardWriter, TokenStream, atomic_write_json, token_dtype
+from trainbook.atomic import atomic_write_json
+from trainbook.data.shards import ShardWriter, TokenStream, token_dtype
 from trainbook.data.sources import iter_documents, resolve_paths
 from trainbook.data.tokenizer import Tokenizer, build_tokenizer
 from trainbook.errors import TrainbookError

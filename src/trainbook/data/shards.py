@@ -18,11 +18,11 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import socket
 from pathlib import Path
 
 import numpy as np
 
+from trainbook.atomic import atomic_write_bytes, atomic_write_json
 from trainbook.errors import TrainbookError
 
 SHARD_FORMAT = "trainbook-shard/1"
@@ -31,27 +31,6 @@ SHARD_FORMAT = "trainbook-shard/1"
 def token_dtype(vocab_size: int) -> np.dtype:
     """The smallest unsigned dtype for the ids, little-endian so files move between machines."""
     return np.dtype("<u2") if vocab_size <= 65535 else np.dtype("<u4")
-
-
-def atomic_write_bytes(path: Path, data: bytes | memoryview) -> None:
-    """Write `path` so that readers see the old file or the whole new one, never a part."""
-    # Host and pid in the temp name: ranks preparing into a shared cache never share one.
-    tmp = path.with_name(f".{path.name}.tmp-{socket.gethostname()}-{os.getpid()}")
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    # The rename itself lives in the directory: sync it too, or a crash can forget it.
-    dir_fd = os.open(path.parent, os.O_RDONLY)
-    try:
-        os.fsync(dir_fd)
-    finally:
-        os.close(dir_fd)
-
-
-def atomic_write_json(path: Path, obj: dict) -> None:
-    atomic_write_bytes(path, (json.dumps(obj, indent=1) + "\n").encode("utf-8"))
 
 
 def index_path(bin_path: Path) -> Path:

@@ -41,7 +41,7 @@ import tokenizers
 from tokenizers import decoders, models, pre_tokenizers, trainers
 
 from trainbook.config.schema import TokenizerConfig
-from trainbook.data.shards import atomic_write_bytes
+from trainbook.atomic import atomic_write_bytes
 from trainbook.errors import TrainbookError
 
 

@@ -6,7 +6,6 @@ start leaves nothing behind and never touches an existing run.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import torch
@@ -16,7 +15,8 @@ from trainbook.data import Prepared, prepare
 from trainbook.errors import TrainbookError
 from trainbook.model import resolve
 from trainbook.parallel import pick_device
-from trainbook.runs import capture_env, create_run_dir, write_text_atomic
+from trainbook.atomic import atomic_write_json, atomic_write_text
+from trainbook.runs import capture_env, create_run_dir
 from trainbook.train.trainer import Trainer
 
 
@@ -60,10 +60,9 @@ def start_run(recipe: Path, overrides: list[str], run_dir: Path | None = None) -
     data = prepare_data(cfg, recipe)
 
     run_dir = create_run_dir(cfg.run.runs_root, cfg.run.name, run_dir)
-    write_text_atomic(run_dir / "recipe.toml", Path(recipe).read_text(encoding="utf-8"))
-    write_text_atomic(run_dir / "config.resolved.toml", dump_toml(cfg))
-    env = capture_env(world_size=1, device=device)
-    write_text_atomic(run_dir / "env.json", json.dumps(env, indent=2) + "\n")
+    atomic_write_text(run_dir / "recipe.toml", Path(recipe).read_text(encoding="utf-8"))
+    atomic_write_text(run_dir / "config.resolved.toml", dump_toml(cfg))
+    atomic_write_json(run_dir / "env.json", capture_env(world_size=1, device=device), indent=2)
     data.tokenizer.save(run_dir / "tokenizer.json")
 
     trainer = Trainer(cfg, run_dir, data, device)
