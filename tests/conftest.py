@@ -94,3 +94,29 @@ def run_cli(*args: str, cwd: Path | None = None, timeout: float = 300) -> subpro
         [sys.executable, "-m", "trainbook", *args],
         cwd=cwd, capture_output=True, text=True, timeout=timeout, env=env,
     )
+
+
+def run_cli_on_terminal(*args: str, cwd: Path | None = None, timeout: float = 300) -> tuple[int, str]:
+    """The real `trainbook` command with a pseudo-terminal as stdout; returns (exit code, output)."""
+    import pty
+    import select
+
+    master, slave = pty.openpty()
+    proc = subprocess.Popen([sys.executable, "-m", "trainbook", *args], cwd=cwd, stdin=subprocess.DEVNULL,
+                            stdout=slave, stderr=slave, close_fds=True)
+    os.close(slave)
+    chunks = []
+    while True:
+        ready, _, _ = select.select([master], [], [], timeout)
+        if not ready:
+            proc.kill()
+            raise TimeoutError(f"trainbook {' '.join(args)} printed nothing for {timeout} s")
+        try:
+            chunk = os.read(master, 65536)
+        except OSError:  # the child closed the terminal
+            break
+        if not chunk:
+            break
+        chunks.append(chunk)
+    os.close(master)
+    return proc.wait(), b"".join(chunks).decode("utf-8", "replace")

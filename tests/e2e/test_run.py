@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import tomllib
 
-from tests.conftest import run_cli, write_recipe
+from tests.conftest import run_cli, run_cli_on_terminal, write_recipe
 from trainbook.config import load_config
 
 TRAIN_KEYS = {"kind", "step", "tokens", "loss", "lr", "grad_norm", "tokens_per_s", "step_time_s",
@@ -97,6 +97,17 @@ def test_same_seed_gives_bitwise_identical_losses(finished_run, tmp_path):
     series = lambda d: [(r["kind"], r["step"], r.get("loss"), r.get("val_loss"), r.get("grad_norm"))
                         for r in _jsonl(d / "metrics.jsonl")]
     assert series(again) == series(run_dir)
+
+
+def test_progress_bar_on_a_terminal_plain_lines_otherwise(recipe, tmp_path):
+    code, screen = run_cli_on_terminal("run", str(recipe), "train.max_steps=4", "--run-dir", str(tmp_path / "tty"))
+    assert code == 0, screen
+    assert "━" in screen and "4/4" in screen and "tok/s" in screen  # the live bar
+    assert "step 2/4 loss" not in screen  # no plain lines on a terminal
+    done = run_cli("run", str(recipe), "train.max_steps=4", "--run-dir", str(tmp_path / "pipe"))
+    assert "━" not in done.stdout
+    assert [line.split(" loss")[0] for line in done.stdout.splitlines() if line.startswith("step ")] == [
+        "step 2/4", "step 4/4"]
 
 
 def test_config_prints_the_resolved_recipe(recipe):
