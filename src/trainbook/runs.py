@@ -72,7 +72,16 @@ def _device_names() -> list[str]:
         return [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
     if hasattr(torch, "npu") and torch.npu.is_available():  # registered by torch_npu
         return [torch.npu.get_device_name(i) for i in range(torch.npu.device_count())]
-    return [platform.processor() or platform.machine()]
+    return [_cpu_name()]
+
+
+def _cpu_name() -> str:
+    cpuinfo = Path("/proc/cpuinfo")
+    if cpuinfo.is_file():
+        for line in cpuinfo.read_text().splitlines():
+            if line.startswith("model name"):
+                return line.partition(":")[2].strip()
+    return platform.processor() or platform.machine()
 
 
 def _accelerator_versions() -> dict:

@@ -135,5 +135,5 @@ def test_embedded_default_recipe_runs(tmp_path):
     assert done.returncode == 0, done.stderr
     run_dir = next((tmp_path / "runs" / "tiny-shakespeare").iterdir())
     resolved = load_config(run_dir / "config.resolved.toml")
-    assert resolved.tokenizer.vocab_size == 2048 and resolved.model.dim == 192
+    assert resolved.tokenizer.vocab_size == 1024 and resolved.model.dim == 192
     assert len([r for r in _jsonl(run_dir / "metrics.jsonl") if r["kind"] == "train"]) == 1
