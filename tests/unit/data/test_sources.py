@@ -1,11 +1,18 @@
 from __future__ import annotations
 
+import gzip
+import json
 import os
+from pathlib import Path
 
+import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
+import zstandard
 
 from trainbook.config.schema import SourceConfig
-from trainbook.data.sources import iter_documents, markdown_to_text, resolve_paths
+from trainbook.data import sources
+from trainbook.data.sources import SourceStats, iter_documents, markdown_to_text, resolve_paths
 from trainbook.errors import TrainbookError
 
 
@@ -111,3 +118,158 @@ def test_unreadable_file_is_an_error_naming_the_file(write_files):
     (root / "locked.txt").chmod(0)
     with pytest.raises(TrainbookError, match="cannot read.*locked.txt"):
         list(iter_documents(SourceConfig(name="s", paths=[f"{root}/*.txt"]), where="w"))
+
+
+# Formats, compression and invalid UTF-8. Every file is real, written with the real libraries.
+
+
+def _jsonl(records: list) -> bytes:
+    return "".join(json.dumps(r) + "\n" for r in records).encode("utf-8")
+
+
+def _write(path: Path, data: bytes, compression: str = "none") -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if compression == "gzip":
+        data = gzip.compress(data)
+    elif compression == "zstd":
+        data = zstandard.ZstdCompressor().compress(data)
+    path.write_bytes(data)
+    return path
+
+
+def _read(path_glob, **fields) -> tuple[list[str], SourceStats]:
+    stats = SourceStats()
+    source = SourceConfig(name="s", paths=[str(path_glob)], **fields)
+    return list(iter_documents(source, where="data.sources[0]", stats=stats)), stats
+
+
+def test_gzipped_text_is_split_like_plain_text(tmp_path):
+    _write(tmp_path / "a.txt.gz", b"\xef\xbb\xbfone\r\n\r\ntwo\r\n\r\n\r\nthree\n", "gzip")
+    docs, stats = _read(tmp_path / "*.gz", separator="\n\n")
+    assert docs == ["one", "two", "three"]
+    assert (stats.files, stats.documents) == (1, 3)
+
+
+def test_text_split_across_stream_chunks(tmp_path, monkeypatch):
+    # Tiny read chunks: separators, CRLFs and the BOM all straddle chunk boundaries.
+    monkeypatch.setattr(sources, "_CHUNK_BYTES", 3)
+    pieces = [f"doc {i}\r\nline two" for i in range(20)]
+    _write(tmp_path / "a.txt", b"\xef\xbb\xbf" + "\r\n\r\n".join(pieces).encode())
+    docs, _ = _read(tmp_path / "a.txt", separator="\n\n")
+    assert docs == [p.replace("\r\n", "\n") for p in pieces]
+    whole, _ = _read(tmp_path / "a.txt")
+    assert whole == ["\n\n".join(docs)]
+    # A separator longer than a chunk, and a non-ASCII one.
+    _write(tmp_path / "b.txt", "<|doc|>".join(["α", "β", "", "γ"]).encode())
+    assert _read(tmp_path / "b.txt", separator="<|doc|>")[0] == ["α", "β", "γ"]
+    _write(tmp_path / "c.txt", "a§§b§§§§c".encode())
+    assert _read(tmp_path / "c.txt", separator="§§")[0] == ["a", "b", "c"]
+
+
+@pytest.mark.parametrize("compression", ["none", "gzip", "zstd"])
+def test_jsonl_one_document_per_line(tmp_path, compression):
+    suffix = {"none": "", "gzip": ".gz", "zstd": ".zst"}[compression]
+    records = [{"text": f"document {i}\r\nsecond line", "id": i} for i in range(50)]
+    data = _jsonl(records[:25]) + b"\n   \n" + _jsonl(records[25:]) + _jsonl([{"text": "  "}])
+    _write(tmp_path / f"a.jsonl{suffix}", data, compression)
+    docs, stats = _read(tmp_path / "a.jsonl*", format="jsonl")
+    # Blank lines and empty text are no documents.
+    assert docs == [f"document {i}\nsecond line" for i in range(50)]
+    assert (stats.files, stats.documents, stats.bytes_read) == (1, 50, len(data))
+
+
+def test_jsonl_compression_can_be_forced_and_uses_text_field(tmp_path):
+    _write(tmp_path / "a.data", _jsonl([{"body": "x"}, {"body": "y"}]), "zstd")
+    docs, _ = _read(tmp_path / "a.data", format="jsonl", compression="zstd", text_field="body")
+    assert docs == ["x", "y"]
+
+
+def test_jsonl_reads_multi_frame_zstd(tmp_path):
+    frames = [zstandard.ZstdCompressor().compress(_jsonl([{"text": f"t{i}"}])) for i in range(3)]
+    (tmp_path / "a.jsonl.zst").write_bytes(b"".join(frames))
+    assert _read(tmp_path / "a.jsonl.zst", format="jsonl")[0] == ["t0", "t1", "t2"]
+
+
+@pytest.mark.parametrize(
+    "line, message",
+    [
+        (b'{"text": "ok"', r"line 3: not valid JSON"),
+        (b'{"txt": "ok"}', r"line 3: no field 'text' \(text_field\); the object has 'txt'"),
+        (b'{"text": 7}', r"line 3: field 'text' is int, not a string"),
+        (b'["text"]', r"line 3: expected a JSON object, got list"),
+    ],
+)
+def test_jsonl_errors_name_file_and_line(tmp_path, line, message):
+    path = _write(tmp_path / "bad.jsonl.gz", _jsonl([{"text": "a"}, {"text": "b"}]) + line, "gzip")
+    with pytest.raises(TrainbookError, match=message) as err:
+        _read(path, format="jsonl")
+    assert err.value.where == "data.sources[0]" and str(path) in err.value.message
+    assert "\n" not in str(err.value)
+
+
+def test_parquet_streams_batches_of_the_text_column(tmp_path, monkeypatch):
+    monkeypatch.setattr(sources, "_PARQUET_BATCH_ROWS", 4)
+    texts = [f"row {i}" for i in range(23)] + [None, "  "]
+    table = pa.table({"id": list(range(25)), "content": texts})
+    pq.write_table(table, tmp_path / "a.parquet", row_group_size=5, compression="zstd")
+    assert pq.ParquetFile(tmp_path / "a.parquet").num_row_groups == 5
+    docs, stats = _read(tmp_path / "a.parquet", format="parquet", text_field="content")
+    assert docs == texts[:23]  # nulls and blank text are no documents
+    assert stats.bytes_read == sum(len(t) for t in texts if t)
+
+
+def test_parquet_missing_column_names_the_columns_that_exist(tmp_path):
+    pq.write_table(pa.table({"id": [1], "body": ["x"]}), tmp_path / "a.parquet")
+    with pytest.raises(TrainbookError, match=r"a.parquet': no column 'text'.*'id', 'body'"):
+        _read(tmp_path / "a.parquet", format="parquet")
+    pq.write_table(pa.table({"text": [1]}), tmp_path / "b.parquet")
+    with pytest.raises(TrainbookError, match=r"b.parquet': column 'text' is int64, not a string"):
+        _read(tmp_path / "b.parquet", format="parquet")
+
+
+def test_corrupt_archive_is_an_error_naming_the_file(tmp_path):
+    (tmp_path / "a.jsonl.gz").write_bytes(gzip.compress(_jsonl([{"text": "x"}] * 100))[:-20])
+    with pytest.raises(TrainbookError, match=r"cannot read '.*a.jsonl.gz'"):
+        _read(tmp_path / "a.jsonl.gz", format="jsonl")
+
+
+BAD = b"caf\xe9"  # latin-1, not UTF-8
+
+
+@pytest.mark.parametrize(
+    "policy, docs, replaced, skipped",
+    [
+        ("replace", ["ok 1", "caf\ufffd 2", "ok 3", "caf\ufffd 4"], 2, 0),
+        ("skip", ["ok 1", "ok 3"], 0, 2),
+    ],
+)
+def test_invalid_utf8_policies(tmp_path, policy, docs, replaced, skipped):
+    lines = [b'{"text": "ok 1"}', b'{"text": "' + BAD + b' 2"}', b'{"text": "ok 3"}']
+    _write(tmp_path / "j" / "a.jsonl", b"\n".join([*lines, b'{"text": "caf\\udc80 4"}']))
+    got, stats = _read(tmp_path / "j" / "*", format="jsonl", on_invalid_utf8=policy)
+    assert got == docs
+    assert (stats.invalid_utf8_replaced, stats.invalid_utf8_skipped) == (replaced, skipped)
+
+    # Text: the document is the piece between separators, or the whole file.
+    _write(tmp_path / "t" / "a.txt", b"ok 1\n\n" + BAD + b" 2\n\nok 3", "gzip")
+    _write(tmp_path / "t" / "b.txt", b"\n\n".join([BAD + b" 4", b"x"]), "none")
+    source = {"on_invalid_utf8": policy, "compression": "gzip"}
+    got, stats = _read(tmp_path / "t" / "a.txt", separator="\n\n", **source)
+    assert got == docs[:3]
+    assert stats.invalid_utf8_replaced + stats.invalid_utf8_skipped == 1
+    got, stats = _read(tmp_path / "t" / "b.txt", on_invalid_utf8=policy)
+    assert got == (["caf\ufffd 4\n\nx"] if policy == "replace" else [])
+
+    pq.write_table(pa.table({"text": [b"ok 1", BAD + b" 2"]}), tmp_path / "a.parquet")
+    got, stats = _read(tmp_path / "a.parquet", format="parquet", on_invalid_utf8=policy)
+    assert got == (docs[:2] if policy == "replace" else ["ok 1"])
+    assert stats.invalid_utf8_replaced + stats.invalid_utf8_skipped == 1
+
+
+def test_invalid_utf8_fails_naming_file_and_line(tmp_path):
+    _write(tmp_path / "a.jsonl", _jsonl([{"text": "a"}]) + b"\n" + b'{"text": "' + BAD + b'"}')
+    with pytest.raises(TrainbookError, match=r"a.jsonl' line 3: not valid UTF-8 \(byte 0xe9\)"):
+        _read(tmp_path / "a.jsonl", format="jsonl")
+    _write(tmp_path / "b.txt", b"a\r\n\r\nb\nc " + BAD, "gzip")
+    with pytest.raises(TrainbookError, match=r"b.txt' line 4: not valid UTF-8"):
+        _read(tmp_path / "b.txt", separator="\n\n", compression="gzip")
