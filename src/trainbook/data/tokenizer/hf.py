@@ -1,14 +1,9 @@
-"""Tokenizers: a small wrapper over Hugging Face `tokenizers`, and byte-level BPE training.
+"""Hugging Face `tokenizers` backend (`tokenizer.json`), and byte-level BPE training.
 
-Everything the rest of trainbook needs from a tokenizer is on `Tokenizer`: ids in, text out,
-the vocabulary size (the model's embedding needs at least this many rows), the EOS id (placed
-after every document when packing) and a sha256 that identifies it in manifests and runs.
-
-Two choices hold for every tokenizer built here:
-- Special-token strings inside the *text* are encoded as ordinary text. A document that happens
+- Special-token strings inside the *text* are encoded as ordinary text: a document that happens
   to contain "<|endoftext|>" must not inject a real EOS; only packing places EOS tokens.
-- No special tokens are added by a post-processor (no BOS): documents are packed with EOS alone.
-So `decode(encode(text)) == text` for any text with a byte-level tokenizer.
+- No post-processor specials (`add_special_tokens=False`): BOS, when wanted, comes from
+  `add_bos`. So `decode(encode(text)) == text` for any text with a byte-level tokenizer.
 
 Speed: `tokenizers` encodes one long text several times slower per byte than many short ones
 (measured on the plays: 150 KB documents 6 s, 2 KB pieces 2.6 s, 2 cores). When the tokenizer's
@@ -30,59 +25,64 @@ TOKENIZERS_PARALLELISM is set: a multiprocess prepare must set it, or tokenize o
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import re
-from collections.abc import Callable, Iterable
-from pathlib import Path
+from collections.abc import Iterable
 
 import tokenizers
 from tokenizers import decoders, models, pre_tokenizers, trainers
 
-from trainbook.config.schema import TokenizerConfig
-from trainbook.atomic import atomic_write_bytes
+from trainbook.data.tokenizer.base import Tokenizer, _one_line, read_file
 from trainbook.errors import TrainbookError
 
+FILE = "tokenizer.json"
+# Looked up in this order when the recipe leaves a special token unset.
+EOS_CANDIDATES = ("</s>", "<|endoftext|>", "<|end_of_text|>", "<eos>")
+BOS_CANDIDATES = ("<s>", "<|begin_of_text|>", "<bos>")
+PAD_CANDIDATES = ("<pad>", "<|pad|>")
 
-class Tokenizer:
-    """A Hugging Face tokenizer plus the EOS token trainbook packs documents with."""
 
-    def __init__(self, hf: tokenizers.Tokenizer, eos_token: str):
-        eos_id = hf.token_to_id(eos_token)
-        if eos_id is None:
-            raise TrainbookError(
-                f"the tokenizer has no token '{eos_token}'", where="tokenizer.eos_token"
-            )
-        # Literal special-token strings in documents are text, not control tokens (see above).
-        # This flag is not part of the JSON serialisation, so it does not change sha256.
-        hf.encode_special_tokens = True
-        self._hf = hf
-        self.eos_token = eos_token
-        self.eos_id: int = eos_id
-        self.vocab_size: int = hf.get_vocab_size(with_added_tokens=True)
-        spec = self.to_json()
-        self.sha256: str = hashlib.sha256(spec.encode("utf-8")).hexdigest()
-        self._piecewise = _cuts_at_newlines_are_safe(json.loads(spec))
+class HFTokenizer(Tokenizer):
+    """A `tokenizers` JSON file (kinds `hf` and `train_bpe`)."""
 
-    @classmethod
-    def load(cls, path: str | os.PathLike, eos_token: str) -> Tokenizer:
-        """Load a `tokenizer.json`; errors name `tokenizer.path` / `tokenizer.eos_token`."""
-        path = Path(path)
-        if not path.is_file():
-            raise TrainbookError(f"no tokenizer file at '{path}'", where="tokenizer.path")
+    format = "hf"
+
+    @staticmethod
+    def read_source(path: str | os.PathLike) -> dict[str, bytes]:
+        return {FILE: read_file(path)}
+
+    def _parse(self, files: dict[str, bytes], where: str) -> None:
         try:
-            hf = tokenizers.Tokenizer.from_file(str(path))
+            text = files[FILE].decode("utf-8")
+            hf = tokenizers.Tokenizer.from_str(text)
+            spec = json.loads(text)
         except Exception as e:  # the Rust side raises plain Exception for any parse error
             raise TrainbookError(
-                f"'{path}' is not a tokenizers JSON file: {e}", where="tokenizer.path"
+                f"not a tokenizers JSON file: {_one_line(e)}", where=where
             ) from e
-        return cls(hf, eos_token)
+        # Literal special-token strings in documents are text, not control tokens (see above).
+        hf.encode_special_tokens = True
+        self._hf = hf
+        self._piecewise = _cuts_at_newlines_are_safe(spec)
 
-    def encode(self, text: str) -> list[int]:
-        return self.encode_batch([text])[0]
+    def _vocab_size(self) -> int:
+        return max(self._hf.get_vocab(with_added_tokens=True).values(), default=-1) + 1
 
-    def encode_batch(self, texts: list[str]) -> list[list[int]]:
+    def _first_present(self, candidates: tuple[str, ...]) -> str | None:
+        return next((t for t in candidates if self.token_to_id(t) is not None), None)
+
+    def _own_specials(self):
+        candidates = (EOS_CANDIDATES, BOS_CANDIDATES, PAD_CANDIDATES)
+        return tuple(self._first_present(c) for c in candidates)
+
+    def _eos_candidates(self) -> str:
+        return ", ".join(EOS_CANDIDATES)
+
+    def token_to_id(self, token: str) -> int | None:
+        return self._hf.token_to_id(token)
+
+    def _encode_batch(self, texts: list[str]) -> list[list[int]]:
         """Encode many texts on all cores (rayon threads inside `tokenizers`)."""
         if not self._piecewise:
             return [e.ids for e in self._hf.encode_batch(texts, add_special_tokens=False)]
@@ -95,21 +95,7 @@ class Tokenizer:
         return out
 
     def decode(self, ids: Iterable[int]) -> str:
-        # Keep special tokens: decode is the exact inverse of a packed stream, EOS included.
         return self._hf.decode(list(ids), skip_special_tokens=False)
-
-    def to_json(self) -> str:
-        return self._hf.to_str()
-
-    def save(self, path: str | os.PathLike) -> None:
-        """Write `tokenizer.json` atomically (a reader never sees half a file)."""
-        atomic_write_bytes(Path(path), self.to_json().encode("utf-8"))
-
-    def __repr__(self) -> str:
-        return (
-            f"Tokenizer(vocab_size={self.vocab_size}, eos_id={self.eos_id}, "
-            f"sha256={self.sha256[:12]})"
-        )
 
 
 # Pieces of about this many characters: short enough for the fast path, long enough that
@@ -147,14 +133,23 @@ def _cut(text: str) -> list[str]:
     return pieces
 
 
-def train_bpe(texts: Iterable[str], vocab_size: int, eos_token: str) -> Tokenizer:
-    """Train a byte-level BPE (GPT-2 style) with `vocab_size` tokens, EOS included.
+def train_bpe(
+    texts: Iterable[str],
+    vocab_size: int,
+    eos_token: str = "<|endoftext|>",
+    *,
+    bos_token: str | None = None,
+    pad_token: str | None = None,
+    add_bos: bool = False,
+) -> HFTokenizer:
+    """Train a byte-level BPE (GPT-2 style) with `vocab_size` tokens, specials included.
 
     All 256 bytes are in the initial alphabet, so any text encodes without an unknown token,
-    even characters the training text never had. Ids: 0 is EOS, 1..256 the bytes, then merges
-    in the order learned. A small corpus may stop short of `vocab_size` (nothing left to
-    merge); `Tokenizer.vocab_size` is what was actually built.
+    even characters the training text never had. Ids: the specials first (EOS is 0, then BOS
+    and PAD when named), then the bytes, then merges in the order learned. A small corpus may
+    stop short of `vocab_size` (nothing left to merge); `.vocab_size` is what was built.
     """
+    specials = list(dict.fromkeys(t for t in (eos_token, bos_token, pad_token) if t is not None))
     hf = tokenizers.Tokenizer(models.BPE())
     # add_prefix_space=False: a leading space would be added on encode and kept on decode,
     # breaking decode(encode(x)) == x.
@@ -162,20 +157,16 @@ def train_bpe(texts: Iterable[str], vocab_size: int, eos_token: str) -> Tokenize
     hf.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size,
-        special_tokens=[eos_token],
+        special_tokens=specials,
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
     hf.train_from_iterator(texts, trainer=trainer)
-    return Tokenizer(hf, eos_token)
-
-
-def build_tokenizer(cfg: TokenizerConfig, texts_factory: Callable[[], Iterable[str]]) -> Tokenizer:
-    """The tokenizer a recipe asks for. `texts_factory` is called only when training one."""
-    if cfg.kind == "train_bpe":
-        return train_bpe(texts_factory(), cfg.vocab_size, cfg.eos_token)
-    if cfg.kind == "hf":
-        if cfg.path is None:
-            raise TrainbookError("kind 'hf' needs a tokenizer.json path", where="tokenizer.path")
-        return Tokenizer.load(cfg.path, cfg.eos_token)
-    raise AssertionError(f"TokenizerConfig allowed an unknown kind {cfg.kind!r}")
+    return HFTokenizer(
+        {FILE: hf.to_str().encode("utf-8")},
+        kind="train_bpe",
+        eos_token=eos_token,
+        bos_token=bos_token,
+        pad_token=pad_token,
+        add_bos=add_bos,
+    )
