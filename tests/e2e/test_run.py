@@ -52,7 +52,7 @@ def test_run_archive_layout(finished_run):
     logs = list((run_dir / "logs").glob("rank0-*.log"))
     assert [p.name for p in logs] == [f"rank0-{time.strftime('%Y-%m-%d')}.log"]
     assert "step 6/6 loss" in logs[0].read_text()
-    assert (run_dir / "tokenizer.json").is_file()
+    assert (run_dir / "tokenizer" / "tokenizer_meta.json").is_file()
 
 
 def test_metrics_follow_the_contract(finished_run):

@@ -1,21 +1,26 @@
-"""prepare: sources -> train/val split -> tokenizer -> token shards, cached by content.
+"""prepare: sources -> clean -> dedup -> train/val split -> tokenizer -> token shards, cached.
 
     <cache_dir>/<key>/
-      tokenizer.json
-      train-00000.bin/.json ...   the packed train stream (doc EOS doc EOS ...), see loader.py
-      val-00000.bin/.json ...
-      manifest.json               written last: its presence means the directory is complete
+      tokenizer/                       the tokenizer (files + tokenizer_meta.json)
+      train-<source>-00000.bin/.json   one packed stream per source (doc EOS doc EOS ...)
+      val-<source>-00000.bin/.json
+      manifest.json                    written last: its presence means the entry is complete
 
 `key` hashes everything the shards depend on: the data and tokenizer settings, the seed, the
 format of what prepare writes, and every input file's path, size and content hash. Any change
-gives a new directory; an unchanged recipe finds the manifest and reuses the shards without
-reading a document.
+gives a new directory; an unchanged recipe reuses the shards without reading a document.
+
+Memory stays bounded whatever the corpus size: documents stream through (see documents.py),
+at most `2 * num_proc` chunks are being tokenized at once, and a shard writer holds at most one
+shard. Only the deduplication index grows with the number of documents.
 """
 
 from __future__ import annotations
 
+import collections
 import hashlib
 import json
+import multiprocessing
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -24,20 +29,22 @@ from pathlib import Path
 import numpy as np
 import tokenizers
 
-from trainbook.config.schema import DataConfig, TokenizerConfig
 from trainbook.atomic import atomic_write_json
+from trainbook.config.schema import DataConfig, TokenizerConfig
+from trainbook.data.documents import Document, DocumentStream
 from trainbook.data.shards import ShardWriter, TokenStream, token_dtype
-from trainbook.data.sources import iter_documents, resolve_paths
-from trainbook.data.tokenizer import Tokenizer, build_tokenizer
+from trainbook.data.sources import resolve_paths
+from trainbook.data.tokenizer import Tokenizer, build_tokenizer, check_ids
 from trainbook.errors import TrainbookError
 
-# Bump when prepare would write different shards for the same inputs (markdown conversion,
-# split rule, packing...): old cache entries then stop matching instead of being reused.
-PREPARE_FORMAT = 1
+# Bump when prepare would write different shards for the same inputs (conversion, cleaning,
+# split or packing rules): old cache entries then stop matching instead of being reused.
+PREPARE_FORMAT = 2
 SPLITS = ("train", "val")
-# Characters per encode_batch call: bounds the Python lists of ids alive at once (~100 MB).
-# Long documents are cut into pieces inside encode_batch, so any batch keeps every core busy.
-ENCODE_BATCH_CHARS = 4_000_000
+# Characters per tokenization chunk: large enough to amortise the hand-off to a worker,
+# small enough that 2 * num_proc chunks in flight stay a few tens of MB.
+CHUNK_CHARS = 1_000_000
+PROGRESS_EVERY_S = 5.0
 
 Log = Callable[[str], None]
 
@@ -45,21 +52,19 @@ Log = Callable[[str], None]
 @dataclass(frozen=True)
 class Prepared:
     dir: Path
-    """The cache entry: tokenizer.json, shards, manifest.json."""
+    """The cache entry: tokenizer/, shards, manifest.json."""
     tokenizer: Tokenizer
-    train: TokenStream
-    """The packed train stream (memory-mapped shards)."""
+    train: dict[str, TokenStream]
+    """Source name -> its packed train stream (memory-mapped shards), in recipe order."""
     val: TokenStream
-    """The packed validation stream; empty when `val_fraction` is 0."""
+    """Every source's validation documents as one packed stream; empty when val_fraction is 0."""
     manifest: dict
-    """Counts, tokenizer sha256, cache key, inputs: the contents of manifest.json."""
+    """Counts, report, tokenizer sha256, cache key, inputs: the contents of manifest.json."""
     cached: bool
     """True when an existing cache entry was reused (nothing was read or tokenized)."""
 
 
-def prepare(
-    data: DataConfig, tok: TokenizerConfig, *, seed: int, log: Log | None = None
-) -> Prepared:
+def prepare(data: DataConfig, tok: TokenizerConfig, *, seed: int, log: Log | None = None) -> Prepared:
     """Make (or find in the cache) the tokenized train/val streams of a recipe's corpus."""
     log = log or (lambda message: None)
     if not data.sources:
@@ -67,56 +72,47 @@ def prepare(
     inputs = _hash_inputs(data)
     key = cache_key(data, tok, seed=seed, inputs=inputs)
     out = Path(data.cache_dir) / key[:16]
-
-    found = _load_cached(out, key, tok, log)
+    found = _load_cached(out, key, log)
     if found is not None:
         return found
 
-    documents = _read_documents(data)  # [(source index, text)] in source, then file order
-    is_val = split_documents([text for _, text in documents], data.val_fraction, seed)
-    n_val = int(is_val.sum())
-    log(f"read {len(documents)} documents: {len(documents) - n_val} train, {n_val} val")
-
     out.mkdir(parents=True, exist_ok=True)
     (out / "manifest.json").unlink(missing_ok=True)  # a damaged entry is incomplete from now on
-    # Trained on train documents only, so validation text stays unseen by every part of a run.
-    train_texts = [text for (_, text), val in zip(documents, is_val, strict=True) if not val]
+    documents = DocumentStream(data, seed)
     if tok.kind == "train_bpe":
-        log(f"training a BPE tokenizer (vocab {tok.vocab_size}) on {len(train_texts)} documents")
-    tokenizer = build_tokenizer(tok, lambda: iter(train_texts))
-    tokenizer.save(out / "tokenizer.json")
+        # Pass 1: train on train documents only, so validation text stays unseen by every part.
+        log(f"training a BPE tokenizer (vocab {tok.vocab_size}) on the train documents")
+    tokenizer = build_tokenizer(tok, lambda: (d.text for d in documents if not d.is_val))
+    tokenizer.save(out / "tokenizer")
 
-    log(f"tokenizing {len(documents)} documents ...")
-    t0 = time.perf_counter()
-    counts = _write_shards(out, documents, is_val, tokenizer, data.shard_tokens)
-    log(
-        f"tokenized in {time.perf_counter() - t0:.1f} s: "
-        f"{counts['train'].tokens:,} train tokens, {counts['val'].tokens:,} val tokens"
-    )
-
-    manifest = _manifest(
-        data, tok, seed=seed, key=key, inputs=inputs, tokenizer=tokenizer, counts=counts
-    )
+    input_bytes = sum(r["bytes"] for r in inputs)
+    log(f"tokenizing {len(inputs)} files ({input_bytes / 1e6:,.1f} MB) with {data.num_proc} process(es)")
+    start = time.perf_counter()
+    shards = _write_shards(out, data, documents, tokenizer, log)
+    elapsed = time.perf_counter() - start
+    manifest = _manifest(data, tok, seed, key, inputs, tokenizer, shards, documents, elapsed)
     atomic_write_json(out / "manifest.json", manifest)  # last: marks the entry complete
+    for line in report_lines(manifest):
+        log(line)
     return _open(out, tokenizer, manifest, cached=False)
 
 
 def cache_key(data: DataConfig, tok: TokenizerConfig, *, seed: int, inputs: list[dict]) -> str:
     """sha256 (hex) over every input of prepare that can change what it writes."""
-    tokenizer = {"kind": tok.kind, "eos_token": tok.eos_token}
+    tokenizer = tok.model_dump()
     if tok.kind == "train_bpe":
         # Training results may change with the library version; a new version retrains.
-        tokenizer |= {"vocab_size": tok.vocab_size, "tokenizers": tokenizers.__version__}
+        tokenizer["tokenizers"] = tokenizers.__version__
     else:
         if tok.path is None:
-            raise TrainbookError(
-                f"kind '{tok.kind}' needs a tokenizer file", where="tokenizer.path"
-            )
-        tokenizer |= {"path": tok.path, "sha256": _file_sha256(Path(tok.path), "tokenizer.path")}
+            raise TrainbookError(f"kind '{tok.kind}' needs a tokenizer file", where="tokenizer.path")
+        tokenizer["files_sha256"] = _path_sha256(Path(tok.path), "tokenizer.path")
     payload = {
         "format": PREPARE_FORMAT,
         # `weight` is left out: it steers sampling from prepared data, not what is prepared.
         "sources": [s.model_dump(exclude={"weight"}) for s in data.sources],
+        "clean": data.clean.model_dump(),
+        "dedup": data.dedup.model_dump(),
         "val_fraction": data.val_fraction,
         "shard_tokens": data.shard_tokens,
         "seed": seed,
@@ -126,22 +122,167 @@ def cache_key(data: DataConfig, tok: TokenizerConfig, *, seed: int, inputs: list
     return hashlib.sha256(json.dumps(payload, sort_keys=True).encode("utf-8")).hexdigest()
 
 
-def split_documents(texts: list[str], val_fraction: float, seed: int) -> np.ndarray:
-    """Boolean mask of validation documents: whole documents, never a part of one.
+# ---- tokenizing into shards ----------------------------------------------------------------
 
-    n_val = round(val_fraction * n), at least 1 when val_fraction > 0 and n >= 2, and always
-    leaving one train document. The val documents are those with the smallest
-    sha256(seed, text): reproducible from (seed, texts) alone, whatever the library versions,
-    and independent of the order the files are listed in.
-    """
-    n = len(texts)
-    n_val = 0 if val_fraction == 0 or n < 2 else min(n - 1, max(1, round(val_fraction * n)))
-    ranks = sorted(
-        range(n), key=lambda i: (hashlib.sha256(f"{seed}\0{texts[i]}".encode()).digest(), i)
+
+def _write_shards(
+    out: Path, data: DataConfig, documents: DocumentStream, tokenizer: Tokenizer, log: Log
+) -> dict[str, dict[str, ShardWriter]]:
+    """Pass 2: tokenize every document once, append EOS, stream it into its (source, split) shards."""
+    dtype = token_dtype(tokenizer.vocab_size)
+    writers = {
+        split: {s.name: ShardWriter(out, f"{split}-{i:02d}", dtype, data.shard_tokens)
+                for i, s in enumerate(data.sources)}
+        for split in SPLITS
+    }
+    names = [s.name for s in data.sources]
+    progress = _Progress(log)
+    for chunk, (lengths, ids) in _tokenized_chunks(documents, tokenizer, data.num_proc):
+        check_ids(ids, tokenizer.vocab_size, where="tokenizer")
+        ends = np.cumsum(lengths)
+        for doc, end, length in zip(chunk, ends, lengths):
+            writers["val" if doc.is_val else "train"][names[doc.source]].add(ids[end - length : end])
+        progress.update(len(chunk), sum(len(d.text) for d in chunk), len(ids))
+    for by_source in writers.values():
+        for writer in by_source.values():
+            writer.close()
+    return writers
+
+
+def _tokenized_chunks(
+    documents: DocumentStream, tokenizer: Tokenizer, num_proc: int
+) -> Iterator[tuple[list[Document], tuple[np.ndarray, np.ndarray]]]:
+    """(documents, (per-document lengths, concatenated ids with EOS)) in document order."""
+    chunks = _chunks(documents, CHUNK_CHARS)
+    if num_proc == 1:
+        for chunk in chunks:
+            yield chunk, _encode_chunk(tokenizer, [d.text for d in chunk])
+        return
+    ctx = multiprocessing.get_context("spawn")  # fork would copy the parent's threads and locks
+    with ctx.Pool(num_proc, initializer=_worker_init, initargs=(tokenizer,)) as pool:
+        pending: collections.deque = collections.deque()
+        for chunk in chunks:
+            pending.append((chunk, pool.apply_async(_worker_encode, ([d.text for d in chunk],))))
+            if len(pending) >= 2 * num_proc:  # bounded: never read far ahead of the workers
+                done, result = pending.popleft()
+                yield done, result.get()
+        while pending:
+            done, result = pending.popleft()
+            yield done, result.get()
+
+
+def _chunks(documents: DocumentStream, max_chars: int) -> Iterator[list[Document]]:
+    chunk, chars = [], 0
+    for doc in documents:
+        chunk.append(doc)
+        chars += len(doc.text)
+        if chars >= max_chars:
+            yield chunk
+            chunk, chars = [], 0
+    if chunk:
+        yield chunk
+
+
+def _encode_chunk(tokenizer: Tokenizer, texts: list[str]) -> tuple[np.ndarray, np.ndarray]:
+    """Token ids of each text followed by EOS, concatenated, and each document's length."""
+    dtype = token_dtype(tokenizer.vocab_size)
+    encoded = tokenizer.encode_batch(texts)
+    lengths = np.fromiter((len(ids) + 1 for ids in encoded), dtype=np.int64, count=len(encoded))
+    ids = np.empty(int(lengths.sum()), dtype=dtype)
+    ends = np.cumsum(lengths)
+    for doc_ids, end, length in zip(encoded, ends, lengths):
+        ids[end - length : end - 1] = doc_ids
+        ids[end - 1] = tokenizer.eos_id  # EOS after every document, the last one too
+    return lengths, ids
+
+
+# A worker process's own tokenizer, set once by the pool initializer: sending it with every
+# chunk would pickle the whole vocabulary each time.
+_worker_tokenizer: Tokenizer | None = None
+
+
+def _worker_init(tokenizer: Tokenizer) -> None:
+    global _worker_tokenizer
+    _worker_tokenizer = tokenizer
+
+
+def _worker_encode(texts: list[str]) -> tuple[np.ndarray, np.ndarray]:
+    return _encode_chunk(_worker_tokenizer, texts)
+
+
+class _Progress:
+    def __init__(self, log: Log):
+        self.log = log
+        self.start = self.last = time.perf_counter()
+        self.documents = self.chars = self.tokens = 0
+
+    def update(self, documents: int, chars: int, tokens: int) -> None:
+        self.documents += documents
+        self.chars += chars
+        self.tokens += tokens
+        now = time.perf_counter()
+        if now - self.last >= PROGRESS_EVERY_S:
+            self.last = now
+            rate = self.chars / (now - self.start) / 1e6
+            self.log(f"  {self.documents:,} documents, {self.chars / 1e6:,.1f} M chars, "
+                     f"{self.tokens:,} tokens ({rate:.1f} M chars/s)")
+
+
+# ---- manifest, report, cache ---------------------------------------------------------------
+
+
+def _manifest(data, tok, seed, key, inputs, tokenizer, shards, documents, elapsed) -> dict:
+    sources = []
+    for i, (source, report) in enumerate(zip(data.sources, documents.reports)):
+        sources.append({
+            **report.as_dict(),
+            "files": sum(1 for r in inputs if r["source"] == i),
+            "shards": {split: shards[split][source.name].names for split in SPLITS},
+            "tokens": {split: shards[split][source.name].tokens for split in SPLITS},
+        })
+    return {
+        "format": PREPARE_FORMAT,
+        "key": key,
+        "seed": seed,
+        "val_fraction": data.val_fraction,
+        "packing": "eos_after_each_document",
+        "dtype": token_dtype(tokenizer.vocab_size).name,
+        "tokenizer": {"dir": "tokenizer", "kind": tok.kind, "sha256": tokenizer.sha256,
+                      "vocab_size": tokenizer.vocab_size, "eos_id": tokenizer.eos_id},
+        "splits": {
+            split: {
+                "documents": sum(s["documents_out"][split] for s in sources),
+                "tokens": sum(s["tokens"][split] for s in sources),
+            }
+            for split in SPLITS
+        },
+        "sources": sources,
+        "seconds": round(elapsed, 3),
+        "inputs": inputs,
+    }
+
+
+def report_lines(manifest: dict) -> list[str]:
+    """The prepare report: per source, documents in and out, what was dropped and why, tokens."""
+    lines = []
+    for s in manifest["sources"]:
+        read, cleaning, dup = s["read"], s["cleaning"], s["duplicates"]
+        dropped = {k.removeprefix("dropped_"): v for k, v in cleaning.items() if k.startswith("dropped_") and v}
+        utf8 = {k: v for k, v in read.items() if k.startswith("invalid_utf8") and v}
+        lines.append(
+            f"{s['name']}: {s['files']} files, {read['documents']:,} documents read"
+            + (f", invalid UTF-8 {utf8}" if utf8 else "")
+            + (f", dropped {dropped}" if dropped else "")
+            + f", duplicates exact {dup['exact']:,} near {dup['near']:,}"
+            + f" -> train {s['documents_out']['train']:,} docs / {s['tokens']['train']:,} tokens,"
+            + f" val {s['documents_out']['val']:,} docs / {s['tokens']['val']:,} tokens"
+        )
+    splits = manifest["splits"]
+    lines.append(
+        f"prepared in {manifest['seconds']:.1f} s: {splits['train']['tokens']:,} train tokens, "
+        f"{splits['val']['tokens']:,} val tokens"
     )
-    is_val = np.zeros(n, dtype=bool)
-    is_val[ranks[:n_val]] = True
-    return is_val
+    return lines
 
 
 def _hash_inputs(data: DataConfig) -> list[dict]:
@@ -150,134 +291,28 @@ def _hash_inputs(data: DataConfig) -> list[dict]:
     for i, source in enumerate(data.sources):
         where = f"data.sources[{i}].paths"
         for path in resolve_paths(source.paths, where=where):
-            records.append(
-                {
-                    "source": i,
-                    "path": str(path.resolve()),
-                    "bytes": path.stat().st_size,
-                    "sha256": _file_sha256(path, where),
-                }
-            )
+            records.append({
+                "source": i, "path": str(path.resolve()), "bytes": path.stat().st_size,
+                "sha256": _path_sha256(path, where),
+            })
     return records
 
 
-def _file_sha256(path: Path, where: str) -> str:
+def _path_sha256(path: Path, where: str) -> str:
+    """Content hash of a file, or of every file in a directory (tokenizers given as folders)."""
+    files = sorted(p for p in path.rglob("*") if p.is_file()) if path.is_dir() else [path]
+    digest = hashlib.sha256()
     try:
-        with open(path, "rb") as f:
-            return hashlib.file_digest(f, "sha256").hexdigest()
+        for file in files:
+            digest.update(file.name.encode() + b"\0")
+            with open(file, "rb") as f:
+                digest.update(hashlib.file_digest(f, "sha256").digest())
     except OSError as e:
         raise TrainbookError(f"cannot read '{path}': {e.strerror or e}", where=where) from e
+    return digest.hexdigest()
 
 
-def _read_documents(data: DataConfig) -> list[tuple[int, str]]:
-    documents = []
-    for i, source in enumerate(data.sources):
-        texts = list(iter_documents(source, where=f"data.sources[{i}]"))
-        if not texts:
-            raise TrainbookError(
-                f"source '{source.name}' has no documents (every file is empty)",
-                where=f"data.sources[{i}]",
-            )
-        documents += [(i, text) for text in texts]
-    return documents
-
-
-@dataclass
-class _SplitCounts:
-    names: list[str]
-    documents: int
-    tokens: int
-    per_source_documents: np.ndarray  # (n_sources,)
-    per_source_tokens: np.ndarray  # (n_sources,)
-
-
-def _write_shards(
-    out: Path,
-    documents: list[tuple[int, str]],
-    is_val: np.ndarray,
-    tokenizer: Tokenizer,
-    shard_tokens: int,
-) -> dict[str, _SplitCounts]:
-    """Tokenize every document once, append EOS, and stream it into its split's shards."""
-    n_sources = max(source for source, _ in documents) + 1
-    dtype = token_dtype(tokenizer.vocab_size)
-    writers = {s: ShardWriter(out, s, dtype, shard_tokens) for s in SPLITS}
-    per_source = {s: np.zeros((2, n_sources), dtype=np.int64) for s in SPLITS}  # docs, tokens
-    eos = np.array([tokenizer.eos_id], dtype=dtype)
-    for lo, hi in _batches(documents, ENCODE_BATCH_CHARS):
-        ids = tokenizer.encode_batch([text for _, text in documents[lo:hi]])
-        for (source, _), doc_ids, val in zip(documents[lo:hi], ids, is_val[lo:hi], strict=True):
-            split = "val" if val else "train"
-            tokens = np.concatenate([np.asarray(doc_ids, dtype=dtype), eos])  # EOS after each doc
-            writers[split].add(tokens)
-            per_source[split][:, source] += (1, len(tokens))
-    return {
-        s: _SplitCounts(writers[s].close(), writers[s].documents, writers[s].tokens, *per_source[s])
-        for s in SPLITS
-    }
-
-
-def _batches(documents: list[tuple[int, str]], max_chars: int) -> Iterator[tuple[int, int]]:
-    """Consecutive [lo, hi) ranges of documents holding about `max_chars` characters each."""
-    lo, chars = 0, 0
-    for i, (_, text) in enumerate(documents):
-        chars += len(text)
-        if chars >= max_chars:
-            yield lo, i + 1
-            lo, chars = i + 1, 0
-    if lo < len(documents):
-        yield lo, len(documents)
-
-
-def _manifest(
-    data: DataConfig,
-    tok: TokenizerConfig,
-    *,
-    seed: int,
-    key: str,
-    inputs: list[dict],
-    tokenizer: Tokenizer,
-    counts: dict[str, _SplitCounts],
-) -> dict:
-    sources = []
-    for i, source in enumerate(data.sources):
-        sources.append(
-            {
-                "name": source.name,
-                "files": sum(1 for r in inputs if r["source"] == i),
-                "documents": {s: int(counts[s].per_source_documents[i]) for s in SPLITS},
-                "tokens": {s: int(counts[s].per_source_tokens[i]) for s in SPLITS},
-            }
-        )
-    return {
-        "format": PREPARE_FORMAT,
-        "key": key,
-        "seed": seed,
-        "val_fraction": data.val_fraction,
-        "packing": "eos_after_each_document",
-        "dtype": token_dtype(tokenizer.vocab_size).name,
-        "tokenizer": {
-            "file": "tokenizer.json",
-            "kind": tok.kind,
-            "sha256": tokenizer.sha256,
-            "vocab_size": tokenizer.vocab_size,
-            "eos_token": tokenizer.eos_token,
-            "eos_id": tokenizer.eos_id,
-        },
-        "splits": {
-            s: {
-                "documents": counts[s].documents,
-                "tokens": counts[s].tokens,
-                "shards": counts[s].names,
-            }
-            for s in SPLITS
-        },
-        "sources": sources,
-        "inputs": inputs,
-    }
-
-
-def _load_cached(out: Path, key: str, tok: TokenizerConfig, log: Log) -> Prepared | None:
+def _load_cached(out: Path, key: str, log: Log) -> Prepared | None:
     """The complete cache entry for `key`, or None. A damaged entry is rebuilt, not trusted."""
     manifest_path = out / "manifest.json"
     if not manifest_path.is_file():
@@ -286,9 +321,9 @@ def _load_cached(out: Path, key: str, tok: TokenizerConfig, log: Log) -> Prepare
         manifest = json.loads(manifest_path.read_text())
         if manifest.get("key") != key:
             raise TrainbookError("manifest key differs (a 64-bit prefix collision?)")
-        tokenizer = Tokenizer.load(out / "tokenizer.json", tok.eos_token)
+        tokenizer = Tokenizer.load(out / "tokenizer")
         if tokenizer.sha256 != manifest["tokenizer"]["sha256"]:
-            raise TrainbookError("tokenizer.json differs from the one the shards were made with")
+            raise TrainbookError("the tokenizer differs from the one the shards were made with")
         prepared = _open(out, tokenizer, manifest, cached=True)  # checks shard sizes
     except (TrainbookError, OSError, ValueError, KeyError) as e:
         log(f"cache entry {out} is damaged ({e}); preparing again")
@@ -298,7 +333,6 @@ def _load_cached(out: Path, key: str, tok: TokenizerConfig, log: Log) -> Prepare
 
 
 def _open(out: Path, tokenizer: Tokenizer, manifest: dict, cached: bool) -> Prepared:
-    streams = {
-        s: TokenStream([out / name for name in manifest["splits"][s]["shards"]]) for s in SPLITS
-    }
-    return Prepared(out, tokenizer, streams["train"], streams["val"], manifest, cached)
+    train = {s["name"]: TokenStream([out / n for n in s["shards"]["train"]]) for s in manifest["sources"]}
+    val = TokenStream([out / n for s in manifest["sources"] for n in s["shards"]["val"]])
+    return Prepared(out, tokenizer, train, val, manifest, cached)

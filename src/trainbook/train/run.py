@@ -63,7 +63,7 @@ def start_run(recipe: Path, overrides: list[str], run_dir: Path | None = None) -
     atomic_write_text(run_dir / "recipe.toml", Path(recipe).read_text(encoding="utf-8"))
     atomic_write_text(run_dir / "config.resolved.toml", dump_toml(cfg))
     atomic_write_json(run_dir / "env.json", capture_env(world_size=1, device=device), indent=2)
-    data.tokenizer.save(run_dir / "tokenizer.json")
+    data.tokenizer.save(run_dir / "tokenizer")
 
     trainer = Trainer(cfg, run_dir, data, device)
     try:

@@ -31,7 +31,7 @@ def sample(
 ) -> str:
     run_dir, ckpt = locate(target)
     cfg = load_config(run_dir / "config.resolved.toml")
-    tokenizer = Tokenizer.load(run_dir / "tokenizer.json", cfg.tokenizer.eos_token)
+    tokenizer = Tokenizer.load(run_dir / "tokenizer")
     model = build_model(cfg.model, torch.device("cpu"), seed=cfg.run.seed)
     state = {"model": model.state_dict()}
     load_state(ckpt, state)
