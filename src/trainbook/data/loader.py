@@ -1,33 +1,54 @@
-"""Packing and loading: from a split's token stream to (inputs, targets) batches.
+"""Packing and loading: from each source's token stream to (inputs, targets[, positions]) batches.
 
-Packing. prepare writes every document followed by one EOS, back to back, so a split is one
-stream `doc0 EOS doc1 EOS ...` (the model learns where documents end, and no token is padding).
+Packing. prepare writes every document followed by one EOS, back to back, so a source's split is
+one stream `doc0 EOS doc1 EOS ...` (the model learns where documents end; no token is padding).
 The stream is cut into samples of seq_len + 1 tokens that overlap by one token:
 
     sample i = stream[i*T : i*T + T + 1]      inputs = sample[:-1], targets = sample[1:]
 
-so each token is a target at most once per epoch (not: the first token, a tail too short for a
-sample, and the samples left over after the epoch's last full batch). Samples cross document
-boundaries: nothing here masks attention at EOS (the usual choice for pretraining).
+Samples cross document boundaries. With `packing="concat"` nothing marks them (the usual choice
+for pretraining). With `packing="document"` the batch also carries `positions` (B, T): 0 at the
+window's first token and at every token that follows an EOS, counting up from there; the model
+then restarts RoPE positions and stops attention at those boundaries (model/llama.py).
 
-Loading. `TrainLoader` visits the samples in a fresh permutation each epoch, drawn from a
-torch.Generator seeded with `seed + epoch`: the order depends only on (seed, epoch), so the
-position {"epoch", "index"} is the whole state, and resuming from it gives bitwise the batches
-an uninterrupted run would have seen. A batch is one vectorised read from the memory-mapped
-shards (B x (T+1) positions) plus one dtype conversion: no Python loop over tokens.
+Order. `mixture.MixtureOrder` maps every global sample index g to (source, sample) as a pure
+function of (weights, source sizes, seed): weighted stride-scheduled interleave of the sources,
+a fresh seeded permutation per epoch of each source (see its module docstring).
+
+Data parallel. Micro-batch k of rank r is global samples [(k * world_size + r) * B, + B): ranks
+are disjoint and together complete. The whole state is `consumed`, the global samples taken by
+all ranks (the same number on every rank), so a run resumed at another world size, or another
+micro-batch size, continues with exactly the next unseen global samples.
+
+Assembly. A batch is one vectorised read per source from the memory-mapped shards
+(B x (T+1) positions, numpy fancy indexing) plus one dtype conversion; with `num_workers > 0`
+background processes (a torch DataLoader over a map-style dataset indexed by the batch's first
+global sample) assemble the same batches in the same order, and prefetching never moves the
+state: `consumed` counts what the caller took.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import itertools
+import warnings
+from collections.abc import Callable, Iterator
+from typing import NamedTuple
 
 import numpy as np
 import torch
+from torch.utils.data import DataLoader, Dataset
 
+from trainbook.data.mixture import MixtureOrder
 from trainbook.data.shards import TokenStream
 from trainbook.errors import TrainbookError
 
-Batch = tuple[torch.Tensor, torch.Tensor]  # inputs, targets: int64, (B, T) each
+PACKINGS = ("concat", "document")
+
+
+class Batch(NamedTuple):
+    inputs: torch.Tensor  # (B, T) int64
+    targets: torch.Tensor  # (B, T) int64, inputs shifted by one
+    positions: torch.Tensor | None = None  # (B, T) int64 for document packing, else None
 
 
 def num_samples(stream: TokenStream, seq_len: int) -> int:
@@ -35,93 +56,220 @@ def num_samples(stream: TokenStream, seq_len: int) -> int:
     return max(0, (len(stream) - 1) // seq_len)
 
 
-def make_batch(stream: TokenStream, sample_ids: np.ndarray, seq_len: int) -> Batch:
-    """Read samples `sample_ids` (shape (B,)) and split them into inputs and targets."""
-    tokens = stream.take(sample_ids * seq_len, seq_len + 1)  # (B, T+1), uint16/uint32
-    tokens = torch.from_numpy(np.asarray(tokens, dtype=np.int64))
+def document_positions(inputs: np.ndarray, eos_id: int) -> np.ndarray:
+    """Position of each token in its document, restarting after every EOS: (B, T) int64."""
+    _, seq_len = inputs.shape
+    arange = np.arange(seq_len, dtype=np.int64)
+    starts = np.zeros(inputs.shape, dtype=bool)  # (B, T): token begins a document (or the window)
+    starts[:, 0] = True
+    starts[:, 1:] = inputs[:, :-1] == eos_id
+    # The index of the latest start at or before each token, by a running maximum.
+    last_start = np.maximum.accumulate(np.where(starts, arange, 0), axis=1)
+    return arange - last_start
+
+
+def to_batch(tokens: np.ndarray, eos_id: int | None) -> Batch:
+    """tokens (B, T+1) -> Batch; positions when `eos_id` is given (document packing)."""
+    tokens = np.asarray(tokens, dtype=np.int64)
+    positions = None if eos_id is None else torch.from_numpy(document_positions(tokens[:, :-1], eos_id))
+    tokens = torch.from_numpy(tokens)
     # Two contiguous tensors rather than two strided views of one: callers may .view() them.
-    return tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
+    return Batch(tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous(), positions)
+
+
+def make_batch(
+    stream: TokenStream, sample_ids: np.ndarray, seq_len: int, eos_id: int | None = None
+) -> Batch:
+    """Read samples `sample_ids` (shape (B,)) of one stream as a Batch."""
+    return to_batch(stream.take(sample_ids * seq_len, seq_len + 1), eos_id)  # (B, T+1)
+
+
+class BatchReader(Dataset):
+    """Map-style dataset: `reader[base]` is the micro-batch of `rank` in the group of
+    `world_size` micro-batches that starts at global sample `base`. Stateless, so worker
+    processes (which hold copies) never need to be told where the loader is."""
+
+    def __init__(self, streams: dict[str, TokenStream], order: MixtureOrder, seq_len: int,
+                 micro_batch_size: int, rank: int, eos_id: int | None):
+        self.streams = list(streams.values())  # in `order.names` order
+        self.order = order
+        self.seq_len = seq_len
+        self.micro_batch_size = micro_batch_size
+        self.rank = rank
+        self.eos_id = eos_id
+
+    def __getitem__(self, base: int) -> Batch:
+        lo = base + self.rank * self.micro_batch_size
+        source, ids = self.order.sample_ids(np.arange(lo, lo + self.micro_batch_size))  # (B,) each
+        tokens = np.empty((self.micro_batch_size, self.seq_len + 1), dtype=np.int64)
+        for s in np.unique(source):  # one fancy-index read per source in the batch
+            rows = source == s
+            tokens[rows] = self.streams[s].take(ids[rows] * self.seq_len, self.seq_len + 1)
+        return to_batch(tokens, self.eos_id)
+
+    def __len__(self) -> int:  # endless in practice; DataLoader asks only for the sampler's items
+        return 1 << 62
+
+    # Pickled (spawn/forkserver workers) as shard paths, not as copies of the memory maps.
+    def __getstate__(self) -> dict:
+        return {**self.__dict__, "streams": [s.paths for s in self.streams]}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        self.streams = [TokenStream(paths) for paths in state["streams"]]
+
+
+class _Bases:
+    """The sampler: first global sample of each of this rank's next batches, from `start`."""
+
+    def __init__(self, step: int):
+        self.step = step
+        self.start = 0
+
+    def __iter__(self) -> Iterator[int]:
+        return itertools.count(self.start, self.step)
 
 
 class TrainLoader:
-    """An endless iterator of shuffled training batches with a resumable position.
+    """An endless iterator of training Batches over a weighted mixture, resumable at any world size.
 
-    With `world_size` > 1 (data parallel), every rank draws the same permutation and rank r
-    takes the r-th block of B samples from each group of `world_size * B`; the state is the
-    same on every rank, so one rank's `state_dict()` resumes them all.
+    `on_reepoch(source, epoch)` is called when the run (all ranks together) takes the first
+    sample of a source's epoch >= 1, on every rank alike.
     """
 
     def __init__(
         self,
-        stream: TokenStream,
+        streams: dict[str, TokenStream],
+        weights: dict[str, float],
         seq_len: int,
         micro_batch_size: int,
         seed: int,
         *,
         rank: int = 0,
         world_size: int = 1,
+        packing: str = "concat",
+        eos_id: int | None = None,
+        num_workers: int = 0,
+        pin_memory: bool = False,
+        prefetch_factor: int = 2,
+        on_reepoch: Callable[[str, int], None] | None = None,
     ):
         assert 0 <= rank < world_size, (rank, world_size)
-        self.stream = stream
+        _check_packing(packing, eos_id)
+        if set(streams) != set(weights):
+            raise TrainbookError(
+                f"train streams {sorted(streams)} and source weights {sorted(weights)} name "
+                "different sources", where="data.sources",
+            )
+        self.names = list(streams)  # recipe order
+        self.samples = {name: num_samples(streams[name], seq_len) for name in self.names}
+        for name, n in self.samples.items():
+            if n == 0:
+                raise TrainbookError(
+                    f"source '{name}' has {len(streams[name])} train tokens, less than one sample"
+                    f" of seq_len + 1 = {seq_len + 1}; use a shorter seq_len or more data",
+                    where="train.seq_len",
+                )
         self.seq_len = seq_len
         self.micro_batch_size = micro_batch_size
-        self.seed = seed
         self.rank = rank
         self.world_size = world_size
-        self.samples_per_epoch = num_samples(stream, seq_len)
-        self._step_samples = micro_batch_size * world_size  # samples consumed per batch, all ranks
-        if self.samples_per_epoch < self._step_samples:
+        self._step_samples = micro_batch_size * world_size  # global samples per batch, all ranks
+        total = sum(self.samples.values())
+        if total < self._step_samples:
             raise TrainbookError(
-                f"the train split has {len(stream)} tokens: {self.samples_per_epoch} samples of "
-                f"seq_len + 1 = {seq_len + 1} tokens, fewer than one batch of "
-                f"{self._step_samples} (micro_batch_size {micro_batch_size} x {world_size} ranks);"
-                " use a shorter seq_len, a smaller batch or more data",
+                f"the train split has {total} samples of seq_len + 1 = {seq_len + 1} tokens, "
+                f"fewer than one batch of {self._step_samples} (micro_batch_size "
+                f"{micro_batch_size} x {world_size} ranks); use a shorter seq_len, a smaller "
+                "batch or more data",
                 where="train.seq_len",
             )
-        # The tail of each permutation shorter than one batch is skipped (a different tail
-        # each epoch, since the permutation changes).
-        self.batches_per_epoch = self.samples_per_epoch // self._step_samples
-        self.epoch = 0
-        self.index = 0  # samples of this epoch's permutation already consumed (all ranks)
-        self._order: np.ndarray | None = None  # the permutation of `self.epoch`, drawn lazily
+        self.order = MixtureOrder(
+            self.names, [float(weights[n]) for n in self.names],
+            [self.samples[n] for n in self.names], seed,
+        )
+        self.reader = BatchReader(streams, self.order, seq_len, micro_batch_size, rank,
+                                  eos_id if packing == "document" else None)
+        if pin_memory and not torch.accelerator.is_available():
+            warnings.warn("pin_memory=True has no effect without an accelerator", stacklevel=2)
+            pin_memory = False
+        self.pin_memory = pin_memory
+        self.on_reepoch = on_reepoch
+        self._bases = _Bases(self._step_samples)
+        self._workers = None if num_workers == 0 else DataLoader(
+            self.reader, batch_size=None, sampler=self._bases, num_workers=num_workers,
+            pin_memory=pin_memory, prefetch_factor=prefetch_factor, persistent_workers=True,
+        )
+        self._worker_iter: Iterator[Batch] | None = None
+        self.load_state_dict({"consumed": 0})
 
     def __iter__(self) -> TrainLoader:
         return self
 
     def __next__(self) -> Batch:
-        if self.index + self._step_samples > self.samples_per_epoch:
-            self.epoch += 1
-            self.index = 0
-            self._order = None
-        if self._order is None:
-            self._order = self._permutation(self.epoch)
-        lo = self.index + self.rank * self.micro_batch_size
-        sample_ids = self._order[lo : lo + self.micro_batch_size]
-        self.index += self._step_samples
-        return make_batch(self.stream, sample_ids, self.seq_len)
+        if self._workers is None:
+            batch = self.reader[self.consumed]
+            if self.pin_memory:
+                batch = Batch(*(None if t is None else t.pin_memory() for t in batch))
+        else:
+            if self._worker_iter is None:  # (re)start the workers' stream at the position
+                self._bases.start = self.consumed
+                self._worker_iter = iter(self._workers)
+            batch = next(self._worker_iter)
+        self.consumed += self._step_samples
+        self._report_reepochs()
+        return batch
 
-    def _permutation(self, epoch: int) -> np.ndarray:
-        generator = torch.Generator().manual_seed(self.seed + epoch)
-        return torch.randperm(self.samples_per_epoch, generator=generator).numpy()
+    def _report_reepochs(self) -> None:
+        epochs = self.order.epochs_started(self.consumed)  # (S,)
+        if self.on_reepoch is not None:
+            for s in np.flatnonzero(epochs > self._epochs):
+                for epoch in range(max(1, int(self._epochs[s]) + 1), int(epochs[s]) + 1):
+                    self.on_reepoch(self.names[s], epoch)
+        self._epochs = epochs
 
     def state_dict(self) -> dict[str, int]:
-        return {"epoch": self.epoch, "index": self.index}
+        return {"consumed": self.consumed}
 
     def load_state_dict(self, state: dict[str, int]) -> None:
-        self.epoch = int(state["epoch"])
-        self.index = int(state["index"])
-        self._order = None
+        """Continue after the first `consumed` global samples (whatever world size took them)."""
+        self.consumed = int(state["consumed"])
+        self._epochs = self.order.epochs_started(self.consumed)
+        self._worker_iter = None  # batches prefetched from the old position are dropped
+
+    def mixture_report(self) -> dict[str, dict[str, float]]:
+        """Per source: its target weight share and its actual share of the tokens consumed."""
+        counts = self.order.consumed_per_source(self.consumed)
+        weights = self.order.weights / self.order.weights.sum()
+        return {
+            name: {"target": float(w), "actual": float(c / self.consumed) if self.consumed else 0.0}
+            for name, w, c in zip(self.names, weights, counts)
+        }
+
+    def close(self) -> None:
+        """Stop the worker processes (they also stop when the loader is garbage-collected)."""
+        self._worker_iter = None
+        self._workers = None
+
+
+def _check_packing(packing: str, eos_id: int | None) -> None:
+    if packing not in PACKINGS:
+        raise TrainbookError(f"unknown packing '{packing}' (one of {PACKINGS})", where="data.packing")
+    if packing == "document" and eos_id is None:
+        raise TrainbookError("document packing needs the tokenizer's EOS id", where="data.packing")
 
 
 def val_batches(
-    stream: TokenStream, seq_len: int, micro_batch_size: int, n_batches: int
+    stream: TokenStream, seq_len: int, micro_batch_size: int, n_batches: int,
+    packing: str = "concat", *, eos_id: int | None = None,
 ) -> Iterator[Batch]:
     """The first `n_batches` validation batches, the same ones in the same order every call.
 
     Samples are taken in stream order (0, 1, 2, ...), wrapping around to the start when the
     split has fewer than `n_batches * micro_batch_size` samples, so evaluations are comparable
-    across steps and runs.
+    across steps and runs. `packing="document"` adds positions, as for training.
     """
+    _check_packing(packing, eos_id)
     n = num_samples(stream, seq_len)
     # Checked here, not on the first next(): the error belongs to the call that set it up.
     if n == 0:
@@ -130,12 +278,14 @@ def val_batches(
             f" = {seq_len + 1}; raise data.val_fraction or lower train.seq_len",
             where="data.val_fraction",
         )
-    return _val_batches(stream, seq_len, micro_batch_size, n_batches, n)
+    return _val_batches(stream, seq_len, micro_batch_size, n_batches, n,
+                        eos_id if packing == "document" else None)
 
 
 def _val_batches(
-    stream: TokenStream, seq_len: int, micro_batch_size: int, n_batches: int, n: int
+    stream: TokenStream, seq_len: int, micro_batch_size: int, n_batches: int, n: int,
+    eos_id: int | None,
 ) -> Iterator[Batch]:
     for b in range(n_batches):
         sample_ids = np.arange(b * micro_batch_size, (b + 1) * micro_batch_size) % n  # (B,)
-        yield make_batch(stream, sample_ids, seq_len)
+        yield make_batch(stream, sample_ids, seq_len, eos_id)

@@ -79,8 +79,13 @@ class Llama(nn.Module):
         self.rope_cos.copy_(cos)
         self.rope_sin.copy_(sin)
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
         """tokens (B, T) int64 -> logits (B, T, vocab_size), in the compute dtype (no loss here).
+
+        `positions` (B, T) int64, for windows packed with several documents: each token's position
+        in its document, 0 where a document (or the window) starts. RoPE then uses these positions
+        and attention stays within each document; without them, positions are 0..T-1 and attention
+        is plainly causal (no mask is built).
 
         A pipeline stage without `tok_embeddings` takes hidden states (B, T, dim) instead, and one
         without `output` returns them.
@@ -93,11 +98,26 @@ class Llama(nn.Module):
             )
         # (B, T, dim); a later pipeline stage receives hidden states already.
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
-        cos, sin = self.rope_cos[:seq_len], self.rope_sin[:seq_len]  # (T, head_dim / 2)
+        if positions is None:
+            cos, sin = self.rope_cos[:seq_len], self.rope_sin[:seq_len]  # (T, head_dim / 2)
+            mask = None
+        else:
+            cos, sin = self.rope_cos[positions], self.rope_sin[positions]  # (B, T, head_dim / 2)
+            mask = document_mask(positions)  # (B, 1, T, T)
         for block in self.layers.values():
-            h = block(h, cos, sin)
+            h = block(h, cos, sin, mask)
         h = self.norm(h) if self.norm is not None else h
         return self.output(h) if self.output is not None else h  # (B, T, vocab_size)
+
+
+def document_mask(positions: torch.Tensor) -> torch.Tensor:
+    """Boolean attention mask (B, 1, T, T), True where query t may attend to key u: u <= t and
+    both in the same document (documents numbered by the running count of position-0 tokens)."""
+    seq_len = positions.shape[1]
+    doc = torch.cumsum(positions == 0, dim=1)  # (B, T)
+    same_doc = doc[:, :, None] == doc[:, None, :]  # (B, T, T)
+    causal = torch.ones(seq_len, seq_len, dtype=torch.bool, device=positions.device).tril()
+    return (same_doc & causal)[:, None]
 
 
 class Block(nn.Module):
@@ -116,8 +136,10 @@ class Block(nn.Module):
         self.ffn_norm.reset_parameters()
         self.feed_forward.init_weights(std, out_std)
 
-    def forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        h = h + self.attention(self.attention_norm(h), cos, sin)
+    def forward(
+        self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        h = h + self.attention(self.attention_norm(h), cos, sin, mask)
         return h + self.feed_forward(self.ffn_norm(h))
 
 
@@ -138,7 +160,11 @@ class Attention(nn.Module):
             nn.init.normal_(lin.weight, mean=0.0, std=std)
         nn.init.normal_(self.wo.weight, mean=0.0, std=out_std)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """x (B, T, dim); cos/sin (T, head_dim / 2) or per token (B, T, head_dim / 2); mask None
+        (causal) or boolean (B, 1, T, T), True where attention is allowed (causality included)."""
         bsz, seq_len, _ = x.shape
         # -1, not n_heads: under tensor parallel each rank holds only its share of the heads.
         q = self.wq(x).view(bsz, seq_len, -1, self.head_dim)  # (B, T, n_heads, head_dim)
@@ -149,7 +175,10 @@ class Attention(nn.Module):
         # enable_gqa shares each kv head with its query group inside the kernel instead of
         # materialising repeated k/v: less memory, and on torch 2.13 CPU no slower (tiny model,
         # 16 x 256 tokens forward+backward: 0.46-0.62 s per step vs 0.54-0.62 s with repeats).
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        if mask is None:
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        else:
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
         out = out.transpose(1, 2).reshape(bsz, seq_len, -1)  # (B, T, n_heads * head_dim)
         return self.wo(out)
 
@@ -207,10 +236,13 @@ def rope_tables(cfg: ModelConfig, device: torch.device | str | None = None):
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotate channel pairs (i, i + head_dim/2) of x (B, T, heads, head_dim) by position angles.
 
-    Rotation keeps q.k a function of the position *difference* only. Computed in fp32.
+    cos/sin are (T, head_dim / 2), or (B, T, head_dim / 2) when each sequence has its own
+    positions. Rotation keeps q.k a function of the position *difference* only. Computed in fp32.
     """
     x1, x2 = x.float().chunk(2, dim=-1)  # (B, T, heads, head_dim / 2) each
-    cos, sin = cos[None, :, None, :], sin[None, :, None, :]  # (1, T, 1, head_dim / 2)
+    if cos.dim() == 2:
+        cos, sin = cos[None], sin[None]  # (1, T, head_dim / 2)
+    cos, sin = cos[:, :, None, :], sin[:, :, None, :]  # (B or 1, T, 1, head_dim / 2)
     rotated = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
     return rotated.type_as(x)
 

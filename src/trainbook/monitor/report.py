@@ -23,6 +23,8 @@ class StepReport:
     mem_peak_bytes: int = 0
     loss_scale: float | None = None
     time: float = 0.0
+    data_mix: dict | None = None
+    """Per training source: {"target": weight share, "actual": share of the tokens consumed}."""
 
     def metrics_record(self) -> dict:
         """The `metrics.jsonl` line (keys are a contract, see DESIGN.md)."""

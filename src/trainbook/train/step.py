@@ -13,9 +13,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from trainbook.data.loader import Batch
 from trainbook.precision import Precision
-
-Batch = tuple[torch.Tensor, torch.Tensor]  # inputs, targets: (B, T) int64
 
 
 @dataclass
@@ -23,6 +22,20 @@ class StepResult:
     loss: float
     grad_norm: float
     phases: dict[str, float]
+
+
+def to_device(batch: Batch | tuple, device: torch.device) -> Batch:
+    """A Batch on `device`; a plain (inputs, targets) pair works too."""
+    positions = batch[2] if len(batch) > 2 else None
+    return Batch(*(None if t is None else t.to(device, non_blocking=True)
+                   for t in (batch[0], batch[1], positions)))
+
+
+def logits_of(model: nn.Module, batch: Batch) -> torch.Tensor:
+    """The model's logits (B, T, V); positions (document packing) go in only when present."""
+    if batch.positions is None:
+        return model(batch.inputs)
+    return model(batch.inputs, batch.positions)
 
 
 def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -45,11 +58,10 @@ def train_step(
     loss_sum = torch.zeros((), device=device)
     for _ in range(accum_steps):
         t0 = time.perf_counter()
-        inputs, targets = next(batches)
-        inputs, targets = inputs.to(device, non_blocking=True), targets.to(device, non_blocking=True)
+        batch = to_device(next(batches), device)
         t1 = time.perf_counter()
         with precision.autocast():
-            loss = lm_loss(model(inputs), targets)
+            loss = lm_loss(logits_of(model, batch), batch.targets)
         t2 = time.perf_counter()
         # Each micro-batch carries 1/accum of the gradient: the sum is the full batch's mean.
         (loss / accum_steps).backward()
@@ -75,8 +87,9 @@ def evaluate(model: nn.Module, batches: list[Batch], precision: Precision, devic
     was_training = model.training
     model.eval()
     total = torch.zeros((), device=device)
-    for inputs, targets in batches:
+    for batch in batches:
+        batch = to_device(batch, device)
         with precision.autocast():
-            total += lm_loss(model(inputs.to(device)), targets.to(device))
+            total += lm_loss(logits_of(model, batch), batch.targets)
     model.train(was_training)
     return (total / len(batches)).item()

@@ -45,9 +45,7 @@ class Trainer:
         self.optimizer = build_optimizer(self.model, cfg.optim)
         self.schedule = LRSchedule(cfg.schedule, cfg.optim.lr, cfg.train.max_steps)
         self.precision = Precision(cfg.precision, device)
-        self.train_loader = TrainLoader(
-            data.train, cfg.train.seq_len, cfg.train.micro_batch_size, seed=cfg.run.seed
-        )
+        self.train_loader = self._build_train_loader(data)
         self.val_batches = self._build_val_batches(data)
         self.checkpointer = Checkpointer(self.run_dir / "checkpoints", cfg.checkpoint)
         self.logger, self.events, self.monitors = self._build_monitors()
@@ -56,11 +54,26 @@ class Trainer:
         t = cfg.train
         self.tokens_per_step = t.grad_accum_steps * t.micro_batch_size * t.seq_len
 
+    def _build_train_loader(self, data: Prepared) -> TrainLoader:
+        d, t = self.cfg.data, self.cfg.train
+        # Unset pin_memory: pin when batches go to an accelerator (faster async copies).
+        pin = d.pin_memory if d.pin_memory is not None else self.device.type != "cpu"
+        return TrainLoader(
+            data.train, {s.name: s.weight for s in d.sources}, t.seq_len, t.micro_batch_size,
+            seed=self.cfg.run.seed, packing=d.packing, eos_id=data.tokenizer.eos_id,
+            num_workers=d.num_workers, pin_memory=pin, on_reepoch=self._on_reepoch,
+        )
+
+    def _on_reepoch(self, source: str, epoch: int) -> None:
+        # Called from inside a step's data phase, after the monitors exist.
+        self.events.emit("reepoch", self.step, source=source, epoch=epoch)
+
     def _build_val_batches(self, data: Prepared) -> list:
         t = self.cfg.train
         if t.eval_every == 0:
             return []
-        return list(val_batches(data.val, t.seq_len, t.micro_batch_size, t.eval_steps))
+        return list(val_batches(data.val, t.seq_len, t.micro_batch_size, t.eval_steps,
+                                self.cfg.data.packing, eos_id=data.tokenizer.eos_id))
 
     def _build_monitors(self) -> tuple[logging.Logger, EventLog, list]:
         log, max_steps = self.cfg.log, self.cfg.train.max_steps
@@ -108,6 +121,7 @@ class Trainer:
             step=self.step, tokens=self.tokens, loss=result.loss, lr=lr, grad_norm=result.grad_norm,
             tokens_per_s=self.tokens_per_step / elapsed, step_time_s=elapsed, phases=result.phases,
             mem_peak_bytes=peak_memory_bytes(self.device), time=time.time(),
+            data_mix=self.train_loader.mixture_report(),
         )
         for monitor in self.monitors:
             monitor.on_step(report)
@@ -147,6 +161,7 @@ class Trainer:
             monitor.message(text)
 
     def close(self) -> None:
+        self.train_loader.close()
         for monitor in self.monitors:
             monitor.close()
         self.events.close()

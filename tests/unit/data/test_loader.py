@@ -1,158 +1,239 @@
 from __future__ import annotations
 
-import itertools
-
 import numpy as np
 import pytest
 import torch
 
-from trainbook.config.schema import DataConfig, SourceConfig, TokenizerConfig
-from trainbook.data import TrainLoader, prepare, val_batches
+from trainbook.data import TrainLoader, val_batches
+from trainbook.data.loader import Batch, document_positions
 from trainbook.data.shards import ShardWriter, TokenStream
 from trainbook.errors import TrainbookError
 
 T, B = 16, 4
+SIZES = {"web": 1601, "code": 801, "books": 161}  # tokens: 100, 50 and 10 samples of T + 1
+WEIGHTS = {"web": 0.5, "code": 0.3, "books": 0.2}
 
 
-def _stream(tmp_path, n_tokens: int, max_tokens: int = 1 << 20) -> TokenStream:
-    """A stream whose token at position p is p % 65000: every sample shows where it came from."""
-    writer = ShardWriter(tmp_path, "train", np.dtype(np.uint16), max_tokens)
-    writer.add(np.arange(n_tokens) % 65000)
-    return TokenStream([tmp_path / name for name in writer.close()])
+def _stream(directory, source: int, n_tokens: int, max_tokens: int = 1 << 20) -> TokenStream:
+    """Token at position p of source k is k * 10**6 + p: every sample shows where it came from."""
+    directory.mkdir(parents=True, exist_ok=True)
+    writer = ShardWriter(directory, "train", np.dtype(np.uint32), max_tokens)
+    writer.add(source * 10**6 + np.arange(n_tokens))
+    return TokenStream([directory / name for name in writer.close()])
 
 
-def _sample_ids(inputs: torch.Tensor) -> list[int]:
-    return (inputs[:, 0] // T).tolist()
+@pytest.fixture
+def streams(tmp_path) -> dict[str, TokenStream]:
+    return {name: _stream(tmp_path / name, k, n) for k, (name, n) in enumerate(SIZES.items())}
 
 
-def test_samples_are_consecutive_windows_and_targets_are_shifted(tmp_path):
-    stream = _stream(tmp_path, 1000)
-    loader = TrainLoader(stream, seq_len=T, micro_batch_size=B, seed=0)
-    assert loader.samples_per_epoch == (1000 - 1) // T == 62
-    inputs, targets = next(loader)
+def _loader(streams, **kw) -> TrainLoader:
+    return TrainLoader(streams, WEIGHTS, kw.pop("seq_len", T), kw.pop("micro_batch_size", B),
+                       kw.pop("seed", 0), **kw)
+
+
+def _decode(batch: Batch) -> list[tuple[int, int]]:
+    """(source index, sample id) of each row."""
+    first = batch.inputs[:, 0]
+    return list(zip((first // 10**6).tolist(), ((first % 10**6) // T).tolist()))
+
+
+def _expected(loader: TrainLoader, g: np.ndarray) -> list[tuple[int, int]]:
+    source, ids = loader.order.sample_ids(g)
+    return list(zip(source.tolist(), ids.tolist()))
+
+
+def test_samples_are_consecutive_windows_and_targets_are_shifted(streams):
+    batch = next(_loader(streams))
+    assert isinstance(batch, Batch) and batch.positions is None
+    inputs, targets = batch[:2]
     assert inputs.shape == targets.shape == (B, T)
     assert inputs.dtype == targets.dtype == torch.int64
     assert inputs.is_contiguous() and targets.is_contiguous()
-    for row_in, row_out in zip(inputs, targets, strict=True):
-        i = int(row_in[0]) // T
-        # sample i = stream[i*T : i*T + T + 1]; inputs its first T tokens, targets its last T.
-        assert row_in.tolist() == list(range(i * T, i * T + T))
-        assert row_out.tolist() == list(range(i * T + 1, i * T + T + 1))
+    for row_in, row_out in zip(inputs.tolist(), targets.tolist(), strict=True):
+        start = row_in[0]
+        assert (start % 10**6) % T == 0  # sample i = stream[i*T : i*T + T + 1]
+        assert row_in == list(range(start, start + T))
+        assert row_out == list(range(start + 1, start + T + 1))
 
 
-def test_each_epoch_is_a_fresh_permutation_without_repeats(tmp_path):
-    loader = TrainLoader(_stream(tmp_path, 1000), seq_len=T, micro_batch_size=B, seed=0)
-    assert loader.batches_per_epoch == 62 // B == 15
-    epochs = []
-    for _ in range(3):
-        seen = [i for _ in range(loader.batches_per_epoch) for i in _sample_ids(next(loader)[0])]
-        assert len(seen) == len(set(seen)) == 60  # 2 samples of the 62 left over each epoch
-        epochs.append(seen)
-    assert loader.state_dict() == {"epoch": 2, "index": 60}
-    next(loader)
-    assert loader.state_dict() == {"epoch": 3, "index": B}  # rolled over on the next draw
-    assert epochs[0] != epochs[1] != epochs[2]
-
-
-def test_same_seed_same_batches_other_seed_other_batches(tmp_path):
-    stream = _stream(tmp_path, 1000)
-
+def test_same_seed_same_batches_other_seed_other_batches(streams):
     def first(seed, n=20):
-        loader = TrainLoader(stream, seq_len=T, micro_batch_size=B, seed=seed)
-        return [next(loader)[0] for _ in range(n)]
+        loader = _loader(streams, seed=seed)
+        return [next(loader).inputs for _ in range(n)]
 
     a, b, c = first(0), first(0), first(1)
     assert all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
     assert not all(torch.equal(x, y) for x, y in zip(a, c, strict=True))
 
 
-@pytest.mark.parametrize("stop", [0, 1, 14, 15, 31])  # fresh, mid-epoch, epoch edges
-def test_resume_from_state_dict_continues_exactly(tmp_path, stop):
-    stream = _stream(tmp_path, 1000)
-    reference = TrainLoader(stream, seq_len=T, micro_batch_size=B, seed=7)
-    expected = [next(reference) for _ in range(stop + 20)][stop:]
+def test_iteration_follows_the_global_order_a_pure_function(streams):
+    loader = _loader(streams)
+    read = [row for _ in range(100) for row in _decode(next(loader))]  # 400 samples: re-epochs
+    assert read == _expected(loader, np.arange(400))
+    assert loader.state_dict() == {"consumed": 400}
+    # Jumping straight to a position reads what iteration would have reached there.
+    far = _loader(streams)
+    far.load_state_dict({"consumed": 10**12})
+    assert _decode(next(far)) == _expected(far, np.arange(10**12, 10**12 + B))
 
-    interrupted = TrainLoader(stream, seq_len=T, micro_batch_size=B, seed=7)
-    for _ in range(stop):
-        next(interrupted)
-    state = interrupted.state_dict()
+
+def test_mixture_report_and_proportions(streams):
+    loader = _loader(streams)
+    assert all(v["actual"] == 0.0 for v in loader.mixture_report().values())
+    counts = np.zeros(3)
+    for _ in range(250):
+        for source, _ in _decode(next(loader)):
+            counts[source] += 1
+    report = loader.mixture_report()
+    assert list(report) == list(SIZES)
+    for k, name in enumerate(SIZES):
+        assert report[name]["target"] == pytest.approx(WEIGHTS[name])
+        assert report[name]["actual"] == counts[k] / 1000  # the tokens actually read
+        assert abs(report[name]["actual"] - WEIGHTS[name]) < 0.005
+
+
+def test_reepoch_callback_reports_each_new_source_epoch_once(streams):
+    calls = []
+    loader = _loader(streams, on_reepoch=lambda source, epoch: calls.append((source, epoch)))
+    seen: dict[int, list[int]] = {0: [], 1: [], 2: []}
+    for _ in range(50):  # 200 samples: books (10 samples, 20%) runs through 4 epochs
+        for source, sample in _decode(next(loader)):
+            seen[source].append(sample)
+    assert [c for c in calls if c[0] == "books"] == [("books", e) for e in (1, 2, 3)]
+    assert [c for c in calls if c[0] == "code"] == [("code", 1)]  # 60 samples of 50
+    assert not [c for c in calls if c[0] == "web"]  # 100 samples of 100: still epoch 0
+    books = seen[2]
+    for e in range(4):  # every epoch of "books" is a permutation of its 10 samples
+        assert sorted(books[10 * e : 10 * e + 10]) == list(range(10))
+    # A resumed loader reports the epochs that start after the resume point, no earlier ones.
+    resumed_calls = []
+    resumed = _loader(streams, on_reepoch=lambda source, epoch: resumed_calls.append((source, epoch)))
+    resumed.load_state_dict(loader.state_dict())
+    next(resumed), next(loader)  # samples 200..203: web's epoch 1 and books' epoch 4 begin
+    assert resumed_calls == calls[-2:] == [("web", 1), ("books", 4)]
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 4])
+def test_data_parallel_ranks_are_disjoint_and_complete(streams, world_size):
+    ranks = [_loader(streams, rank=r, world_size=world_size) for r in range(world_size)]
+    read = []
+    for _ in range(8):  # micro-batch k of rank r holds global samples [(k * W + r) * B, + B)
+        for loader in ranks:
+            read += _decode(next(loader))
+    assert read == _expected(ranks[0], np.arange(8 * world_size * B))
+    assert all(loader.state_dict() == {"consumed": 8 * world_size * B} for loader in ranks)
+
+
+@pytest.mark.parametrize(("before", "after"), [(2, 4), (4, 1), (1, 2)])
+def test_resume_at_another_world_size_reads_the_next_unseen_samples(streams, before, after):
+    old = [_loader(streams, rank=r, world_size=before) for r in range(before)]
+    read = []
+    for _ in range(3):
+        for loader in old:
+            read += _decode(next(loader))
+    state = old[0].state_dict()
     assert all(type(v) is int for v in state.values())
-
-    resumed = TrainLoader(stream, seq_len=T, micro_batch_size=B, seed=7)
-    resumed.load_state_dict(dict(state))
-    for (x, y), (ex, ey) in zip(itertools.islice(resumed, 20), expected, strict=True):
-        assert torch.equal(x, ex) and torch.equal(y, ey)
-
-
-def test_multi_shard_stream_gives_the_same_batches(tmp_path):
-    (tmp_path / "one").mkdir(), (tmp_path / "many").mkdir()
-    one = TrainLoader(_stream(tmp_path / "one", 5000), seq_len=T, micro_batch_size=B, seed=0)
-    many = TrainLoader(
-        _stream(tmp_path / "many", 5000, max_tokens=1024), seq_len=T, micro_batch_size=B, seed=0
-    )
-    assert len(many.stream.paths) == 5
-    for _ in range(200):  # more than one epoch: many batches straddle shard boundaries
-        x, y = next(one)
-        mx, my = next(many)
-        assert torch.equal(x, mx) and torch.equal(y, my)
+    new = [_loader(streams, rank=r, world_size=after, micro_batch_size=3) for r in range(after)]
+    for loader in new:
+        loader.load_state_dict(dict(state))
+    for _ in range(3):
+        for loader in new:
+            read += _decode(next(loader))
+    n = 3 * before * B + 3 * after * 3
+    assert read == _expected(old[0], np.arange(n))  # nothing skipped, nothing read twice
+    assert new[0].state_dict() == {"consumed": n}
 
 
-def test_data_parallel_ranks_take_disjoint_slices(tmp_path):
-    stream = _stream(tmp_path, 1000)
-    single = TrainLoader(stream, seq_len=T, micro_batch_size=2 * B, seed=3)
-    ranks = [TrainLoader(stream, T, B, seed=3, rank=r, world_size=2) for r in range(2)]
-    for _ in range(10):
-        both = torch.cat([next(r)[0] for r in ranks])
-        assert torch.equal(both, next(single)[0])
-    assert ranks[0].state_dict() == ranks[1].state_dict() == single.state_dict()
+def test_workers_give_the_same_batches_and_an_exact_state(streams):
+    reference = _loader(streams, packing="document", eos_id=5)
+    expected = [next(reference) for _ in range(12)]
+    loader = _loader(streams, packing="document", eos_id=5, num_workers=2, pin_memory=False)
+    try:
+        for k in range(5):
+            batch = next(loader)
+            assert all(torch.equal(x, y) for x, y in zip(batch, expected[k], strict=True))
+        # Workers have prefetched ahead; the state counts only what was taken.
+        assert loader.state_dict() == {"consumed": 5 * B}
+        loader.load_state_dict({"consumed": 8 * B})  # a jump: prefetched batches are dropped
+        for k in range(8, 12):
+            assert all(torch.equal(x, y) for x, y in zip(next(loader), expected[k], strict=True))
+        assert loader.state_dict() == {"consumed": 12 * B}
+    finally:
+        loader.close()
 
 
-def test_train_split_shorter_than_one_batch_is_an_error(tmp_path):
-    stream = _stream(tmp_path, B * T)  # B*T tokens: B - 1 samples of T + 1
+def test_multi_shard_streams_give_the_same_batches(tmp_path, streams):
+    many = {name: _stream(tmp_path / "many" / name, k, n, max_tokens=64)
+            for k, (name, n) in enumerate(SIZES.items())}
+    assert len(many["web"].paths) == 26
+    one, split = _loader(streams), _loader(many)
+    for _ in range(60):  # many samples straddle shard boundaries
+        assert all(torch.equal(x, y) for x, y in zip(next(one)[:2], next(split)[:2], strict=True))
+
+
+def test_document_positions_restart_after_each_eos():
+    eos = 0
+    inputs = np.array([[7, 8, eos, 9, 9, 9, eos, eos, 4],
+                       [eos, 1, 2, 3, 4, 5, 6, 7, 8]])
+    assert document_positions(inputs, eos).tolist() == [
+        [0, 1, 2, 0, 1, 2, 3, 0, 0],  # EOS ends its document; the next token starts at 0
+        [0, 0, 1, 2, 3, 4, 5, 6, 7],
+    ]
+
+
+def test_document_packing_with_a_real_tokenizer(tmp_path, small_tokenizer):
+    tok = small_tokenizer
+    texts = [f"To be, or not to be: scene {i}." * (1 + i % 3) for i in range(40)]
+    writer = ShardWriter(tmp_path, "train", np.dtype(np.uint16), 1 << 20)
+    for text in texts:
+        writer.add(np.array(tok.encode(text) + [tok.eos_id]))
+    stream = TokenStream([tmp_path / n for n in writer.close()])
+    loader = TrainLoader({"plays": stream}, {"plays": 1.0}, T, B, seed=0, packing="document",
+                         eos_id=tok.eos_id)
+    for _ in range(5):
+        batch = next(loader)
+        assert batch.positions.shape == (B, T) and batch.positions.dtype == torch.int64
+        for row, pos in zip(batch.inputs.tolist(), batch.positions.tolist(), strict=True):
+            pieces = tok.decode(row).split(tok.eos_token)  # the window's documents (or parts)
+            assert pos.count(0) == len(pieces) - (pieces[-1] == "")
+            for t in range(1, T):
+                assert pos[t] == (0 if row[t - 1] == tok.eos_id else pos[t - 1] + 1)
+
+
+def test_errors_name_the_key(streams, tmp_path):
+    with pytest.raises(TrainbookError, match="different sources") as err:
+        TrainLoader(streams, {"web": 1.0}, T, B, seed=0)
+    assert err.value.where == "data.sources"
+    short = {"a": _stream(tmp_path / "a", 0, B * T)}  # B*T tokens: B - 1 samples of T + 1
     with pytest.raises(TrainbookError, match="fewer than one batch") as err:
-        TrainLoader(stream, seq_len=T, micro_batch_size=B, seed=0)
+        TrainLoader(short, {"a": 1.0}, T, B, seed=0)
     assert err.value.where == "train.seq_len"
-    TrainLoader(_stream(tmp_path, B * T + 1), seq_len=T, micro_batch_size=B, seed=0)  # just enough
+    empty = {**streams, "tiny": _stream(tmp_path / "tiny", 3, T)}
+    with pytest.raises(TrainbookError, match="source 'tiny'") as err:
+        TrainLoader(empty, {**WEIGHTS, "tiny": 1.0}, T, B, seed=0)
+    assert err.value.where == "train.seq_len"
+    with pytest.raises(TrainbookError, match="EOS id") as err:
+        _loader(streams, packing="document")
+    assert err.value.where == "data.packing"
 
 
 def test_val_batches_are_fixed_and_wrap_around(tmp_path):
-    stream = _stream(tmp_path, 6 * T + 1)  # 6 samples
+    stream = _stream(tmp_path, 0, 6 * T + 1)  # 6 samples
     batches = list(val_batches(stream, seq_len=T, micro_batch_size=B, n_batches=3))
-    assert [_sample_ids(x) for x, _ in batches] == [[0, 1, 2, 3], [4, 5, 0, 1], [2, 3, 4, 5]]
+    assert [[s for _, s in _decode(b)] for b in batches] == [[0, 1, 2, 3], [4, 5, 0, 1], [2, 3, 4, 5]]
     again = list(val_batches(stream, seq_len=T, micro_batch_size=B, n_batches=3))
-    for (x, y), (x2, y2) in zip(batches, again, strict=True):
-        assert torch.equal(x, x2) and torch.equal(y, y2)
-    x, y = batches[0]
-    assert torch.equal(y[:, :-1], x[:, 1:])
+    for b, b2 in zip(batches, again, strict=True):
+        assert torch.equal(b.inputs, b2.inputs) and torch.equal(b.targets, b2.targets)
+    assert batches[0].positions is None
+    assert torch.equal(batches[0].targets[:, :-1], batches[0].inputs[:, 1:])
+    doc = next(val_batches(stream, T, B, 1, "document", eos_id=int(stream.read(5, 6)[0])))
+    assert doc.positions[0].tolist() == [0, 1, 2, 3, 4, 5, 0, 1, 2, 3, 4, 5, 6, 7, 8, 9]
 
 
 def test_val_split_without_a_sample_is_an_error(tmp_path):
     with pytest.raises(TrainbookError, match="less than one sample") as err:
-        val_batches(_stream(tmp_path, T), seq_len=T, micro_batch_size=B, n_batches=2)
+        val_batches(_stream(tmp_path, 0, T), seq_len=T, micro_batch_size=B, n_batches=2)
     assert err.value.where == "data.val_fraction"
     with pytest.raises(TrainbookError):
         val_batches(TokenStream([]), seq_len=T, micro_batch_size=B, n_batches=2)
-
-
-def test_packed_batches_from_prepared_documents(tmp_path, write_files):
-    """EOS between documents; a batch decodes back to the documents' text."""
-    texts = {f"d{i}.txt": f"Document number {i} speaks a line of verse." for i in range(30)}
-    root = write_files(texts)
-    data = DataConfig(
-        sources=[SourceConfig(name="s", paths=[f"{root}/*.txt"])],
-        cache_dir=str(tmp_path / "cache"),
-        val_fraction=0.0,
-    )
-    prepared = prepare(data, TokenizerConfig(vocab_size=300), seed=0)
-    tok = prepared.tokenizer
-    stream = prepared.train.read(0, len(prepared.train))
-    documents = tok.decode(stream.tolist()).split(tok.eos_token)
-    assert documents == [texts[f"d{i}.txt"] for i in sorted(range(30), key=str)] + [""]
-
-    loader = TrainLoader(prepared.train, seq_len=T, micro_batch_size=B, seed=0)
-    x, y = next(loader)
-    assert torch.equal(y[:, :-1], x[:, 1:])
-    # Every sample starts on a multiple of seq_len: rows are windows stream[i*T : i*T + T].
-    windows = stream[: loader.samples_per_epoch * T].reshape(-1, T).astype(np.int64)
-    for row in x.numpy():
-        assert (windows == row).all(axis=1).any()
