@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from trainbook.cli import _default_recipe
+from trainbook.data import TrainLoader
 from trainbook.model import build_model
 from trainbook.train.run import prepare_data, resolve_config
 from trainbook.train.trainer import Trainer
@@ -31,7 +32,7 @@ def bare_loop(model, optimizer, batches, lrs: list[float], *, accum: int, grad_c
         for group in optimizer.param_groups:
             group["lr"] = lr
         for _ in range(accum):
-            inputs, targets = next(batches)
+            inputs, targets = next(batches)[:2]
             logits = model(inputs)
             loss = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(0, 1))
             (loss / accum).backward()
@@ -71,7 +72,8 @@ def main() -> None:
              {"params": no_decay, "weight_decay": 0.0}],
             lr=cfg.optim.lr, betas=(cfg.optim.beta1, cfg.optim.beta2), eps=cfg.optim.eps,
         )
-        bare_batches = iter(type(trainer.train_loader)(data.train, t.seq_len, t.micro_batch_size, seed=cfg.run.seed))
+        bare_batches = iter(TrainLoader(data.train, {s.name: s.weight for s in cfg.data.sources},
+                                        t.seq_len, t.micro_batch_size, seed=cfg.run.seed))
 
         # Both sides follow the same LR schedule: the speed of CPU kernels depends a little on
         # the values they see, so the two models must stay identical for a fair comparison.

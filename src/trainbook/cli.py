@@ -67,8 +67,9 @@ def prepare(recipe: RecipeArg = None, overrides: OverridesArg = None) -> None:
     path, overrides = _recipe_and_overrides(recipe, overrides)
     data = prepare_data(resolve_config(path, overrides), path, log=typer.echo)
     state = "cached" if data.cached else "prepared"
-    counts = data.manifest.get("tokens", {})
-    typer.echo(f"{state}: {data.dir} ({', '.join(f'{k} {v:,} tokens' for k, v in counts.items())})")
+    splits = data.manifest["splits"]
+    typer.echo(f"{state}: {data.dir} (train {splits['train']['tokens']:,} tokens, "
+               f"val {splits['val']['tokens']:,} tokens)")
 
 
 @app.command()
@@ -96,6 +97,31 @@ def sample(
     typer.echo(generate_text(
         target, prompt, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, seed=seed
     ))
+
+
+bench_app = typer.Typer(help="Measure one part of the training path alone.", no_args_is_help=True)
+app.add_typer(bench_app, name="bench")
+
+
+@bench_app.command("data")
+def bench_data(
+    recipe: RecipeArg = None,
+    overrides: OverridesArg = None,
+    seconds: Annotated[float, typer.Option(min=0.5, help="How long to read batches.")] = 5.0,
+) -> None:
+    """Read through the recipe's loader alone; compare with what its training consumes."""
+    from trainbook.parallel import pick_device
+    from trainbook.train.bench import bench_data as run_bench
+    from trainbook.train.run import prepare_data, resolve_config
+
+    path, overrides = _recipe_and_overrides(recipe, overrides)
+    cfg = resolve_config(path, overrides)
+    data = prepare_data(cfg, path, log=typer.echo)
+    result = run_bench(cfg, data, pick_device(cfg.run.device), seconds)
+    typer.echo(f"loader: {result.samples_per_s:,.0f} samples/s, {result.tokens_per_s:,.0f} tokens/s "
+               f"(data.num_workers={cfg.data.num_workers})")
+    typer.echo(f"training consumes {result.train_tokens_per_s:,.0f} tokens/s (from {result.train_source})")
+    typer.echo(result.verdict())
 
 
 def main() -> None:
