@@ -71,3 +71,22 @@ def test_existing_run_directory_is_never_overwritten(recipe, tmp_path):
 @pytest.mark.parametrize("override", ["parallel.tp=2"])
 def test_layout_needing_more_processes(recipe, override):
     assert "parallel" in _fails("run", str(recipe), override)
+
+
+def test_non_positive_weight(tmp_path, corpus):
+    recipe = write_recipe(tmp_path / "r.toml", corpus)
+    text = recipe.read_text().replace('name = "plays"', 'name = "plays"\nweight = 0')
+    recipe.write_text(text)
+    line = _fails("run", str(recipe))
+    assert f"{recipe}: data.sources[0].weight: Input should be greater than 0" in line
+
+
+def test_malformed_jsonl_names_file_and_line(tmp_path):
+    data = tmp_path / "data"
+    data.mkdir()
+    (data / "a.jsonl").write_text('{"text": "fine"}\n{"text": "also fine"}\n{"text": broken\n')
+    recipe = write_recipe(tmp_path / "r.toml", data)
+    recipe.write_text(recipe.read_text().replace('paths = ["' + str(data) + '/*.txt"]',
+                                                 'paths = ["' + str(data) + '/*.jsonl"]\nformat = "jsonl"'))
+    line = _fails("prepare", str(recipe))
+    assert "data.sources[0]" in line and "a.jsonl" in line and "line 3" in line

@@ -126,6 +126,17 @@ def test_prepare_twice_does_the_work_once(recipe):
     assert second.stdout.splitlines()[-1].startswith("cached:")
 
 
+def test_bench_data_compares_the_loader_with_training(recipe):
+    done = run_cli("bench", "data", str(recipe), "--seconds", "1", cwd=recipe.parent)
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.splitlines()
+    loader = next(line for line in lines if line.startswith("loader:"))
+    assert float(loader.split()[1].replace(",", "")) > 0  # samples/s
+    training = next(line for line in lines if line.startswith("training consumes"))
+    assert "training probe" in training  # no earlier run of this recipe: it trained a few steps
+    assert "data loading" in lines[-1]
+
+
 @pytest.mark.slow
 def test_embedded_default_recipe_runs(tmp_path):
     """`trainbook run` with no recipe: the packaged Shakespeare recipe, cut to two steps."""

@@ -32,7 +32,7 @@ import tokenizers
 from trainbook.atomic import atomic_write_json
 from trainbook.config.schema import DataConfig, TokenizerConfig
 from trainbook.data.documents import Document, DocumentStream
-from trainbook.data.shards import ShardWriter, TokenStream, token_dtype
+from trainbook.data.shards import ShardWriter, TokenStream, token_dtype, verify_shard
 from trainbook.data.sources import resolve_paths
 from trainbook.data.tokenizer import Tokenizer, build_tokenizer, check_ids
 from trainbook.errors import TrainbookError
@@ -131,7 +131,8 @@ def _write_shards(
     """Pass 2: tokenize every document once, append EOS, stream it into its (source, split) shards."""
     dtype = token_dtype(tokenizer.vocab_size)
     writers = {
-        split: {s.name: ShardWriter(out, f"{split}-{i:02d}", dtype, data.shard_tokens)
+        split: {s.name: ShardWriter(out, f"{split}-{i:02d}", dtype, data.shard_tokens,
+                                    meta={"source": s.name, "split": split, "tokenizer_sha256": tokenizer.sha256})
                 for i, s in enumerate(data.sources)}
         for split in SPLITS
     }
@@ -325,6 +326,9 @@ def _load_cached(out: Path, key: str, log: Log) -> Prepared | None:
         if tokenizer.sha256 != manifest["tokenizer"]["sha256"]:
             raise TrainbookError("the tokenizer differs from the one the shards were made with")
         prepared = _open(out, tokenizer, manifest, cached=True)  # checks shard sizes
+        for source in manifest["sources"]:  # and every shard's checksum against its index
+            for name in source["shards"]["train"] + source["shards"]["val"]:
+                verify_shard(out / name)
     except (TrainbookError, OSError, ValueError, KeyError) as e:
         log(f"cache entry {out} is damaged ({e}); preparing again")
         return None

@@ -37,8 +37,11 @@ def index_path(bin_path: Path) -> Path:
     return Path(bin_path).with_suffix(".json")
 
 
-def write_shard(bin_path: Path, tokens: np.ndarray, doc_starts: np.ndarray) -> dict:
-    """Write one shard (.bin, then its .json index) and return the index."""
+def write_shard(bin_path: Path, tokens: np.ndarray, doc_starts: np.ndarray, meta: dict | None = None) -> dict:
+    """Write one shard (.bin, then its .json index) and return the index.
+
+    `meta` (e.g. the source name and the tokenizer's hash) is recorded in the index as given.
+    """
     tokens = np.ascontiguousarray(tokens)
     data = memoryview(tokens).cast("B")
     index = {
@@ -48,6 +51,7 @@ def write_shard(bin_path: Path, tokens: np.ndarray, doc_starts: np.ndarray) -> d
         "documents": int(len(doc_starts)),
         "doc_starts": [int(s) for s in doc_starts],
         "sha256": hashlib.sha256(data).hexdigest(),
+        **(meta or {}),
     }
     atomic_write_bytes(Path(bin_path), data)
     atomic_write_json(index_path(bin_path), index)
@@ -99,11 +103,12 @@ class ShardWriter:
     document. `close()` writes the last, partial shard and returns the shard file names.
     """
 
-    def __init__(self, directory: Path, split: str, dtype: np.dtype, max_tokens: int):
+    def __init__(self, directory: Path, split: str, dtype: np.dtype, max_tokens: int, meta: dict | None = None):
         self.directory = Path(directory)
         self.split = split
         self.dtype = dtype
         self.max_tokens = max_tokens
+        self.meta = meta
         self.names: list[str] = []
         self.documents = 0
         self.tokens = 0
@@ -136,7 +141,7 @@ class ShardWriter:
             hi = min(lo + self.max_tokens, n_write)
             name = f"{self.split}-{len(self.names):05d}.bin"
             write_shard(
-                self.directory / name, buf[lo:hi], starts[(starts >= lo) & (starts < hi)] - lo
+                self.directory / name, buf[lo:hi], starts[(starts >= lo) & (starts < hi)] - lo, self.meta
             )
             self.names.append(name)
         tail = buf[n_write:]

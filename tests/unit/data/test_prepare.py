@@ -231,3 +231,18 @@ def test_literal_eos_string_in_a_document_stays_text(tmp_path, write_files):
     stream = prepared.train["s"]
     assert (stream.read(0, len(stream)) == prepared.tokenizer.eos_id).sum() == 2  # one per document
     assert _documents_of(stream, prepared.tokenizer) == [f"one {EOS} two", "three"]
+
+
+def test_flipped_byte_in_a_cached_shard_is_detected_and_rebuilt(tmp_path, corpus):
+    data = _data(tmp_path, *corpus)
+    first = prepare(data, TOK, seed=0)
+    name = first.manifest["sources"][1]["shards"]["train"][0]
+    index = read_index(first.dir / name)
+    assert index["source"] == "plays" and index["tokenizer_sha256"] == first.tokenizer.sha256
+    raw = bytearray((first.dir / name).read_bytes())
+    raw[5] ^= 0xFF  # same size, one byte different
+    (first.dir / name).write_bytes(bytes(raw))
+    messages = []
+    again = prepare(data, TOK, seed=0, log=messages.append)
+    assert not again.cached and any("checksum mismatch" in m for m in messages), messages
+    verify_shard(again.dir / name)
