@@ -119,7 +119,9 @@ class ShardWriter:
     def add(self, tokens: np.ndarray) -> None:
         """Append one document's tokens (with its EOS, when the caller packs with EOS)."""
         self._pending_starts.append(self._pending_tokens)
-        self._pending.append(np.asarray(tokens, dtype=self.dtype))
+        # A copy: the caller's array may be a view into a much larger buffer, which a view kept
+        # here would keep alive until this split's next flush (for a small split: to the end).
+        self._pending.append(np.array(tokens, dtype=self.dtype))
         self._pending_tokens += len(tokens)
         self.documents += 1
         self.tokens += len(tokens)
@@ -144,7 +146,7 @@ class ShardWriter:
                 self.directory / name, buf[lo:hi], starts[(starts >= lo) & (starts < hi)] - lo, self.meta
             )
             self.names.append(name)
-        tail = buf[n_write:]
+        tail = buf[n_write:].copy()  # not a view: the flushed part of buf can be freed
         self._pending = [tail] if len(tail) else []
         self._pending_starts = [int(s) - n_write for s in starts if s >= n_write]
         self._pending_tokens = len(tail)
