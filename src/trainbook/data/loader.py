@@ -84,6 +84,9 @@ def make_batch(
     return to_batch(stream.take(sample_ids * seq_len, seq_len + 1), eos_id)  # (B, T+1)
 
 
+WORKER_ITEM_TOKENS = 1 << 16
+
+
 class BatchReader(Dataset):
     """Map-style dataset: `reader[base]` is the micro-batch of `rank` in the group of
     `world_size` micro-batches that starts at global sample `base`. Stateless, so worker
@@ -117,6 +120,26 @@ class BatchReader(Dataset):
     def __setstate__(self, state: dict) -> None:
         self.__dict__.update(state)
         self.streams = [TokenStream(paths) for paths in state["streams"]]
+
+
+class _BatchGroups(Dataset):
+    """Worker items: `group` consecutive batches of this rank stacked into one (G, B, T) Batch.
+
+    Handing a worker's output to the training process costs about the same for a small batch
+    as for a large one, so workers send several batches at a time.
+    """
+
+    def __init__(self, reader: BatchReader, group: int, step: int):
+        self.reader = reader
+        self.group = group
+        self.step = step
+
+    def __getitem__(self, base: int) -> Batch:
+        batches = [self.reader[base + i * self.step] for i in range(self.group)]
+        return Batch(*(None if parts[0] is None else torch.stack(parts) for parts in zip(*batches)))
+
+    def __len__(self) -> int:
+        return 1 << 62
 
 
 class _Bases:
@@ -195,12 +218,16 @@ class TrainLoader:
             pin_memory = False
         self.pin_memory = pin_memory
         self.on_reepoch = on_reepoch
-        self._bases = _Bases(self._step_samples)
+        # Batches per worker item: about WORKER_ITEM_TOKENS tokens, so the hand-off is amortised.
+        self._group = max(1, WORKER_ITEM_TOKENS // (micro_batch_size * seq_len))
+        self._bases = _Bases(self._step_samples * self._group)
         self._workers = None if num_workers == 0 else DataLoader(
-            self.reader, batch_size=None, sampler=self._bases, num_workers=num_workers,
-            pin_memory=pin_memory, prefetch_factor=prefetch_factor, persistent_workers=True,
+            _BatchGroups(self.reader, self._group, self._step_samples), batch_size=None,
+            sampler=self._bases, num_workers=num_workers, pin_memory=pin_memory,
+            prefetch_factor=prefetch_factor, persistent_workers=True,
         )
         self._worker_iter: Iterator[Batch] | None = None
+        self._pending: list[Batch] = []  # the rest of the current worker item, in order
         self.load_state_dict({"consumed": 0})
 
     def __iter__(self) -> TrainLoader:
@@ -215,7 +242,12 @@ class TrainLoader:
             if self._worker_iter is None:  # (re)start the workers' stream at the position
                 self._bases.start = self.consumed
                 self._worker_iter = iter(self._workers)
-            batch = next(self._worker_iter)
+                self._pending = []
+            if not self._pending:
+                group = next(self._worker_iter)  # (G, B, T) each
+                self._pending = [Batch(*(None if t is None else t[i] for t in group))
+                                 for i in range(self._group)][::-1]
+            batch = self._pending.pop()
         self.consumed += self._step_samples
         self._report_reepochs()
         return batch
