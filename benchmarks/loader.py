@@ -12,7 +12,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from trainbook.cli import _default_recipe
+from trainbook.cli import default_recipe
 from trainbook.parallel import pick_device
 from trainbook.train.bench import loader_rate, training_rate
 from trainbook.train.run import prepare_data, resolve_config
@@ -25,7 +25,7 @@ def main() -> None:
     parser.add_argument("--seconds", type=float, default=5.0)
     args = parser.parse_args()
 
-    recipe = Path(args.recipe) if args.recipe else _default_recipe()
+    recipe = Path(args.recipe) if args.recipe else default_recipe()
     cfg = resolve_config(recipe, args.overrides)
     data = prepare_data(cfg, recipe, log=lambda _: None)
     train_tps, source = training_rate(cfg, data, pick_device(cfg.run.device))

@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from trainbook.cli import _default_recipe
+from trainbook.cli import default_recipe
 from trainbook.data import TrainLoader
 from trainbook.model import build_model
 from trainbook.train.run import prepare_data, resolve_config
@@ -50,7 +50,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=8, help="optimizer steps per timed block")
     args = parser.parse_args()
 
-    recipe = Path(args.recipe) if args.recipe else _default_recipe()
+    recipe = Path(args.recipe) if args.recipe else default_recipe()
     overrides = [*args.overrides, "log.progress=plain", "log.every_steps=1000000", "train.eval_every=0"]
     cfg = resolve_config(recipe, overrides)
     data = prepare_data(cfg, recipe, log=lambda _: None)

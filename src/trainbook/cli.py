@@ -31,14 +31,14 @@ def _recipe_and_overrides(recipe: str | None, overrides: list[str] | None) -> tu
         overrides.insert(0, recipe)
         recipe = None
     if recipe is None:
-        return _default_recipe(), overrides
+        return default_recipe(), overrides
     path = Path(recipe)
     if not path.is_file():
         raise TrainbookError("recipe file not found", where=recipe)
     return path, overrides
 
 
-def _default_recipe() -> Path:
+def default_recipe() -> Path:
     """The embedded default: the working directory's copy if there is one, else the packaged one."""
     local = Path(DEFAULT_RECIPE)
     return local if local.is_file() else Path(__file__).parent / "recipes" / local.name

@@ -24,11 +24,8 @@ class StepResult:
     phases: dict[str, float]
 
 
-def to_device(batch: Batch | tuple, device: torch.device) -> Batch:
-    """A Batch on `device`; a plain (inputs, targets) pair works too."""
-    positions = batch[2] if len(batch) > 2 else None
-    return Batch(*(None if t is None else t.to(device, non_blocking=True)
-                   for t in (batch[0], batch[1], positions)))
+def to_device(batch: Batch, device: torch.device) -> Batch:
+    return Batch(*(None if t is None else t.to(device, non_blocking=True) for t in batch))
 
 
 def logits_of(model: nn.Module, batch: Batch) -> torch.Tensor:
