@@ -84,3 +84,16 @@ def load_state(path: Path, state: dict) -> None:
             raise TrainbookError(f"holds a pickled object at {key!r}; refusing to unpickle it", where=str(path))
     with _single_process_ok():
         dcp.load(state, checkpoint_id=path)
+
+
+def locate(target: Path) -> tuple[Path, Path]:
+    """(run directory, checkpoint directory) for a run directory or a checkpoint directory."""
+    target = Path(target)
+    if (target / ".metadata").is_file():
+        return target.parent.parent, target
+    if (target / "config.resolved.toml").is_file():
+        ckpt = latest_checkpoint(target / "checkpoints")
+        if ckpt is None:
+            raise TrainbookError("run has no complete checkpoint yet", where=str(target))
+        return target, ckpt
+    raise TrainbookError("neither a run directory nor a checkpoint", where=str(target))

@@ -6,24 +6,10 @@ from pathlib import Path
 
 import torch
 
-from trainbook.checkpoint import latest_checkpoint, load_state
+from trainbook.checkpoint import load_state, locate
 from trainbook.config import load_config
 from trainbook.data import Tokenizer
-from trainbook.errors import TrainbookError
 from trainbook.model import build_model, generate
-
-
-def locate(target: Path) -> tuple[Path, Path]:
-    """(run directory, checkpoint directory) for a run directory or a checkpoint directory."""
-    target = Path(target)
-    if (target / ".metadata").is_file():
-        return target.parent.parent, target
-    if (target / "config.resolved.toml").is_file():
-        ckpt = latest_checkpoint(target / "checkpoints")
-        if ckpt is None:
-            raise TrainbookError("run has no complete checkpoint yet", where=str(target))
-        return target, ckpt
-    raise TrainbookError("neither a run directory nor a checkpoint", where=str(target))
 
 
 def sample(
