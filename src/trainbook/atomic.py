@@ -21,7 +21,12 @@ def atomic_write_bytes(path: Path, data: bytes | memoryview) -> None:
         os.fsync(f.fileno())
     os.replace(tmp, path)
     # The rename itself lives in the directory: sync it too, or a crash can forget it.
-    dir_fd = os.open(path.parent, os.O_RDONLY)
+    fsync_dir(path.parent)
+
+
+def fsync_dir(path: Path) -> None:
+    """Make renames and new entries in directory `path` durable."""
+    dir_fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(dir_fd)
     finally:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import signal
 import sys
 from pathlib import Path
 from typing import Annotated, Optional
@@ -24,14 +25,16 @@ RecipeArg = Annotated[
 OverridesArg = Annotated[Optional[list[str]], typer.Argument(help="key.path=value overrides.", show_default=False)]
 
 
-def _recipe_and_overrides(recipe: str | None, overrides: list[str] | None) -> tuple[Path, list[str]]:
-    """`trainbook run train.max_steps=5` means the default recipe with one override."""
+def _recipe_and_overrides(
+    recipe: str | None, overrides: list[str] | None, fallback: Path | None = None
+) -> tuple[Path, list[str]]:
+    """`trainbook run train.max_steps=5` means the default recipe (or `fallback`) with one override."""
     overrides = list(overrides or [])
     if recipe is not None and "=" in recipe and not recipe.endswith(".toml"):
         overrides.insert(0, recipe)
         recipe = None
     if recipe is None:
-        return default_recipe(), overrides
+        return fallback or default_recipe(), overrides
     path = Path(recipe)
     if not path.is_file():
         raise TrainbookError("recipe file not found", where=recipe)
@@ -48,15 +51,29 @@ def default_recipe() -> Path:
 def run(
     recipe: RecipeArg = None,
     overrides: OverridesArg = None,
-    run_dir: Annotated[Optional[Path], typer.Option(help="Exact run directory (must be new or empty).")] = None,
+    run_dir: Annotated[Optional[Path], typer.Option(
+        help="Exact run directory: new or empty to start, or an existing run to continue it.")] = None,
+    resume: Annotated[str, typer.Option(
+        help="auto: continue --run-dir from its newest valid checkpoint | never | PATH of a checkpoint or run."
+    )] = "auto",
 ) -> None:
-    """Train a recipe; the run is archived under runs/<name>/<time>-<id>/."""
+    """Train a recipe; the run is archived under runs/<name>/<time>-<id>/.
+
+    SIGTERM or Ctrl-C saves a checkpoint after the current step and exits (128 + the signal).
+    """
     from trainbook.train.run import start_run
 
-    path, overrides = _recipe_and_overrides(recipe, overrides)
-    summary = start_run(path, overrides, run_dir)
+    # Continuing a run needs no recipe: the run directory holds its resolved config.
+    archived = run_dir / "config.resolved.toml" if run_dir is not None and resume != "never" else None
+    path, overrides = _recipe_and_overrides(recipe, overrides, archived if archived and archived.is_file() else None)
+    summary = start_run(path, overrides, run_dir, resume)
+    loss = f", loss {summary['loss']:.4f}" if summary["loss"] is not None else ""
     val = f", val_loss {summary['val_loss']:.4f}" if summary["val_loss"] is not None else ""
-    typer.echo(f"done: {summary['step']} steps, loss {summary['loss']:.4f}{val} -> {summary['run_dir']}")
+    if summary["stopped_by"]:
+        typer.echo(f"stopped by {summary['stopped_by']} at step {summary['step']}{loss}; continue with: "
+                   f"trainbook run --run-dir {summary['run_dir']}")
+        raise typer.Exit(128 + signal.Signals[summary["stopped_by"]].value)
+    typer.echo(f"done: {summary['step']} steps{loss}{val} -> {summary['run_dir']}")
 
 
 @app.command()
@@ -97,6 +114,19 @@ def sample(
     typer.echo(generate_text(
         target, prompt, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, seed=seed
     ))
+
+
+@app.command()
+def export(
+    target: Annotated[Path, typer.Argument(help="A run directory (its newest valid checkpoint) or a checkpoint.")],
+    format: Annotated[str, typer.Option("--format", help="safetensors (trainbook names) | hf (LlamaForCausalLM folder).")],
+    out: Annotated[Path, typer.Option(help="New folder to write; must not exist or be empty.")],
+    dtype: Annotated[str, typer.Option(help="fp32 | bf16 | fp16.")] = "fp32",
+) -> None:
+    """Write a checkpoint's model weights as safetensors, or as a Hugging Face folder."""
+    from trainbook.checkpoint.export import export_command
+
+    typer.echo(export_command(target, format, out, dtype))
 
 
 bench_app = typer.Typer(help="Measure one part of the training path alone.", no_args_is_help=True)

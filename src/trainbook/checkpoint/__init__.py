@@ -1,5 +1,11 @@
-"""DCP checkpoints: save, latest pointer, retention, load."""
+"""DCP checkpoints: atomic commit with a verified manifest, retention, async save, resume, export."""
 
-from trainbook.checkpoint.store import Checkpointer, latest_checkpoint, load_state, locate
+from trainbook.checkpoint.store import (
+    Checkpointer, InvalidCheckpoint, any_rank, flatten, latest_checkpoint, load_state, locate, newest_valid,
+    read_latest, step_of, tensor_entries, verify,
+)
 
-__all__ = ["Checkpointer", "latest_checkpoint", "load_state", "locate"]
+__all__ = [
+    "Checkpointer", "InvalidCheckpoint", "any_rank", "flatten", "latest_checkpoint", "load_state", "locate",
+    "newest_valid", "read_latest", "step_of", "tensor_entries", "verify",
+]

@@ -1,27 +1,55 @@
-"""Checkpoints through torch.distributed.checkpoint (DCP), one directory per step.
+"""Checkpoints through torch.distributed.checkpoint (DCP): atomic, verified, retained, async.
 
-    checkpoints/step-<N>/   DCP files (.metadata + shards), written as step-<N>.tmp then renamed
-    checkpoints/latest      text file naming the newest complete checkpoint, replaced atomically
+    checkpoints/step-<N>/        DCP files (.metadata + one shard file per rank) + manifest.json
+    checkpoints/step-<N>.tmp/    a checkpoint being written; never read
+    checkpoints/latest           names the newest committed checkpoint; replaced atomically
+
+A save commits in this order, so a crash at any instant leaves the previous checkpoint valid and
+selected: DCP writes (and fsyncs) the shards into `step-<N>.tmp/`; each rank checksums its own
+files; rank 0 writes `manifest.json` (files, sizes, CRC-32s, step, config, layout, versions),
+renames the directory to `step-<N>/`, then points `latest` at it. `latest` is the commit: a
+`step-<N>/` newer than it is the leftover of a crash and is ignored. Loading verifies the manifest
+first; a corrupted checkpoint is skipped (the caller logs why) and the next older one is used.
 
 DCP is used even in one process so that the same files later load into any parallel layout.
+CRC-32 detects corruption (truncation, flipped bytes); it is not a defence against tampering,
+which is why loading also refuses any pickled entry.
 """
 
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import shutil
+import time
+import uuid
 import warnings
+import zlib
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
+import torch
+import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
-from trainbook.atomic import atomic_write_text
+from trainbook.atomic import atomic_write_json, atomic_write_text, fsync_dir
 from trainbook.config import CheckpointConfig
 from trainbook.errors import TrainbookError
+from trainbook.faults import fault_point
 
 LATEST = "latest"
+MANIFEST = "manifest.json"
+FORMAT = 1
+_CHUNK = 8 << 20
+_SIDECAR = ".files-rank{}.json"  # one rank's file list, merged by rank 0 into the manifest
+
+
+class InvalidCheckpoint(Exception):
+    """A checkpoint that fails verification; the message says why."""
 
 
 @contextlib.contextmanager
@@ -32,68 +60,343 @@ def _single_process_ok():
         yield
 
 
+def _no_dist() -> bool:
+    return not (dist.is_available() and dist.is_initialized())
+
+
+def file_crc32(path: Path) -> str:
+    crc = 0
+    buf = bytearray(_CHUNK)
+    view = memoryview(buf)
+    with open(path, "rb", buffering=0) as f:
+        while n := f.readinto(buf):
+            crc = zlib.crc32(view[:n], crc)
+    return f"{crc:08x}"
+
+
+def step_of(path: Path) -> int | None:
+    """N for a committed `step-N` directory name, else None (temp dirs, trash, files)."""
+    name = Path(path).name
+    return int(name[5:]) if name.startswith("step-") and name[5:].isdigit() else None
+
+
 class Checkpointer:
-    def __init__(self, root: Path, cfg: CheckpointConfig):
+    """Saves checkpoints of one run; every rank makes one, rank 0 commits.
+
+    `on_commit(step, path, seconds)` is called once a checkpoint is committed (on rank 0; in
+    async mode from the background thread that finishes the save).
+    """
+
+    def __init__(
+        self,
+        root: Path,
+        cfg: CheckpointConfig,
+        *,
+        rank: int = 0,
+        world_size: int = 1,
+        describe: dict | None = None,
+        on_commit: Callable[[int, Path, float], None] | None = None,
+    ):
         self.root = Path(root)
-        self.interval = cfg.interval_steps
-        self.keep_last = cfg.keep_last
+        self.cfg = cfg
+        self.rank = rank
+        self.world_size = world_size
+        self.describe = describe or {}
+        self.on_commit = on_commit
+        self._last_save = time.monotonic()
+        self._in_flight: Future | None = None
+        self._in_flight_step: int | None = None
+        # Async: one thread finishes the save in flight; the stager keeps its CPU copies between
+        # saves (pinned when an accelerator is there) so staging allocates only once.
+        self._finisher = ThreadPoolExecutor(1, thread_name_prefix="checkpoint") if cfg.mode == "async" else None
+        self._stager = (
+            DefaultStager(StagingOptions(torch.accelerator.is_available(), False, False, False))
+            if cfg.mode == "async" else None
+        )
+        self._deleter = ThreadPoolExecutor(1, thread_name_prefix="checkpoint-retention")
+        if cfg.mode == "async" and _no_dist():
+            # The upload thread runs outside _single_process_ok(); one process is intended there too.
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+
+    # ---- when -------------------------------------------------------------------------------
 
     def due(self, step: int, max_steps: int) -> bool:
-        return step == max_steps or (self.interval > 0 and step % self.interval == 0)
+        """Save now? At the end, every `interval_steps`, and after `interval_minutes`."""
+        if step == max_steps or (self.cfg.interval_steps and step % self.cfg.interval_steps == 0):
+            return True
+        if not self.cfg.interval_minutes:
+            return False
+        late = time.monotonic() - self._last_save >= self.cfg.interval_minutes * 60
+        return any_rank(late)  # clocks differ: every rank must take the same decision
 
-    def save(self, step: int, state: dict) -> Path:
-        """Write `state` (nested dicts of tensors) as checkpoint `step`, then point `latest` at it."""
-        final = self.root / f"step-{step}"
+    # ---- save -------------------------------------------------------------------------------
+
+    def save(self, step: int, state: dict, info: dict | None = None) -> Path:
+        """Write `state` (nested dicts of tensors) as checkpoint `step`.
+
+        Sync mode returns once the checkpoint is committed. Async mode returns once the state is
+        staged (copied aside); the write and the commit finish in the background. Returns the
+        path the checkpoint has (or will have) once committed.
+        """
+        self.wait()  # at most one save in flight
+        self._last_save = time.monotonic()
         tmp = self.root / f"step-{step}.tmp"
-        shutil.rmtree(tmp, ignore_errors=True)  # leftovers of a crash while writing
-        tmp.mkdir(parents=True)
+        if self.rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)  # leftovers of a crash while writing
+            tmp.mkdir(parents=True)
+        _barrier()  # the directory exists before any rank writes into it
+        writer = dcp.FileSystemWriter(tmp, sync_files=True)
+        started = time.perf_counter()
+        info = dict(info or {})
         with _single_process_ok():
-            dcp.save(state, checkpoint_id=tmp)
-        if final.exists():
-            shutil.rmtree(final)
+            if self._finisher is None:
+                dcp.save(state, storage_writer=writer, no_dist=_no_dist())
+                self._commit(step, tmp, info, started)
+            else:
+                upload = dcp.async_save(state, storage_writer=writer, async_stager=self._stager,
+                                        no_dist=_no_dist())
+                self._in_flight = self._finisher.submit(self._finish, upload, step, tmp, info, started)
+                self._in_flight_step = step
+        return self.root / f"step-{step}"
+
+    def wait(self) -> Path | None:
+        """Block until the save in flight (async mode) is committed; re-raise its error."""
+        if self._in_flight is None:
+            return None
+        future, step = self._in_flight, self._in_flight_step
+        self._in_flight = self._in_flight_step = None
+        future.result()
+        return self.root / f"step-{step}"
+
+    @property
+    def in_flight(self) -> bool:
+        return self._in_flight is not None and not self._in_flight.done()
+
+    def _finish(self, upload: Future, step: int, tmp: Path, info: dict, started: float) -> None:
+        upload.result()
+        self._commit(step, tmp, info, started)
+
+    def _commit(self, step: int, tmp: Path, info: dict, started: float) -> None:
+        files = self._checksum_own_files(tmp)
+        if self.world_size > 1:
+            atomic_write_json(tmp / _SIDECAR.format(self.rank), files)
+            if self.rank != 0:
+                return
+            files = self._gather_file_lists(tmp)
+        fault_point("checkpoint.before_manifest", step)
+        manifest = {
+            "format": FORMAT, "step": step, "time": time.time(), "checksum": "crc32",
+            "files": files, "world_size": self.world_size, **self.describe, **info,
+        }
+        atomic_write_json(tmp / MANIFEST, manifest)
+        fault_point("checkpoint.before_rename", step)
+        final = self.root / f"step-{step}"
+        if final.exists():  # an uncommitted leftover of a crashed run reaching the same step
+            self._trash(final).result()
         os.replace(tmp, final)
+        fsync_dir(self.root)
+        fault_point("checkpoint.before_latest", step)
         atomic_write_text(self.root / LATEST, final.name + "\n")
-        self._prune()
-        return final
+        self._prune(keep=step)
+        if self.on_commit is not None:
+            self.on_commit(step, final, time.perf_counter() - started)
 
-    def _prune(self) -> None:
-        complete = sorted(
-            (p for p in self.root.glob("step-*") if p.is_dir() and p.name[5:].isdigit()),
-            key=lambda p: int(p.name[5:]),
-        )
-        for old in complete[: -self.keep_last]:
-            shutil.rmtree(old, ignore_errors=True)
+    def _checksum_own_files(self, tmp: Path) -> dict[str, dict]:
+        # DCP names each rank's shard files "__<rank>_<i>.distcp"; rank 0 also writes .metadata.
+        own = [p for p in sorted(tmp.iterdir())
+               if p.name.startswith(f"__{self.rank}_") or (self.rank == 0 and p.name == ".metadata")]
+        return {p.name: {"size": p.stat().st_size, "crc32": file_crc32(p)} for p in own}
+
+    def _gather_file_lists(self, tmp: Path, timeout_s: float = 600.0) -> dict[str, dict]:
+        # DCP's save returns on rank 0 only after every rank has written; their sidecars follow
+        # within the time it takes them to checksum their own files.
+        deadline = time.monotonic() + timeout_s
+        files: dict[str, dict] = {}
+        for rank in range(self.world_size):
+            sidecar = tmp / _SIDECAR.format(rank)
+            while not sidecar.is_file():
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"rank {rank} did not list its checkpoint files in {sidecar}")
+                time.sleep(0.05)
+            files.update(json.loads(sidecar.read_text()))
+        return files
+
+    # ---- retention ------------------------------------------------------------------------
+
+    def _prune(self, keep: int) -> None:
+        """Delete committed checkpoints outside keep_last / keep_every, in the background."""
+        committed = sorted(s for s in map(step_of, self.root.iterdir()) if s is not None and s <= keep)
+        kept = set(committed[-self.cfg.keep_last:]) | {keep}
+        if self.cfg.keep_every:
+            kept |= {s for s in committed if s % self.cfg.keep_every == 0}
+        for s in committed:
+            if s not in kept:
+                self._trash(self.root / f"step-{s}")
+
+    def _trash(self, path: Path) -> Future:
+        # Rename first (atomic), delete later: a half-deleted directory never looks like a checkpoint.
+        trash = self.root / f".trash-{path.name}-{uuid.uuid4().hex[:8]}"
+        os.replace(path, trash)
+        return self._deleter.submit(shutil.rmtree, trash, True)
+
+    def discard_uncommitted(self, resumed_step: int | None) -> None:
+        """Before a run continues here: remove temp dirs, trash, and step dirs newer than `latest`."""
+        if self.rank != 0 or not self.root.is_dir():
+            return
+        for path in self.root.iterdir():
+            step = step_of(path)
+            if path.name.endswith(".tmp") or path.name.startswith(".trash-"):
+                self._deleter.submit(shutil.rmtree, path, True)
+            elif step is not None and resumed_step is not None and step > resumed_step:
+                self._trash(path)
+
+    def close(self) -> None:
+        """Wait for the save in flight and for background deletions."""
+        try:
+            self.wait()
+        finally:
+            if self._finisher is not None:
+                self._finisher.shutdown(wait=True)
+            if self._stager is not None:
+                self._stager.close()
+            self._deleter.shutdown(wait=True)
 
 
-def latest_checkpoint(checkpoints: Path) -> Path | None:
-    pointer = Path(checkpoints) / LATEST
+def any_rank(flag: bool) -> bool:
+    """True on every rank when `flag` is true on any rank (a no-op in one process)."""
+    if _no_dist():
+        return flag
+    t = torch.tensor([int(flag)])
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return bool(t.item())
+
+
+def _barrier() -> None:
+    if not _no_dist():
+        dist.barrier()
+
+
+# ---- reading --------------------------------------------------------------------------------
+
+
+def read_latest(root: Path) -> int | None:
+    """The step `latest` names, or None when there is no (readable) pointer."""
+    pointer = Path(root) / LATEST
     if not pointer.is_file():
         return None
-    path = pointer.parent / pointer.read_text().strip()
-    return path if (path / ".metadata").is_file() else None
+    return step_of(Path(pointer.read_text().strip()))
+
+
+def verify(path: Path) -> dict:
+    """The manifest of checkpoint `path` after checking every file it lists; InvalidCheckpoint if not."""
+    path = Path(path)
+    try:
+        manifest = json.loads((path / MANIFEST).read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise InvalidCheckpoint("no manifest.json (not a committed checkpoint)") from None
+    except (OSError, ValueError) as e:
+        raise InvalidCheckpoint(f"manifest.json is unreadable: {e}") from None
+    files = manifest.get("files") if isinstance(manifest, dict) else None
+    if not isinstance(files, dict) or ".metadata" not in files:
+        raise InvalidCheckpoint("manifest.json lists no files (or no .metadata)")
+    root = path.resolve()
+    for name, entry in files.items():
+        target = (path / name).resolve()
+        if Path(name).is_absolute() or ".." in Path(name).parts or root not in target.parents:
+            raise InvalidCheckpoint(f"manifest.json names a path outside the checkpoint: {name!r}")
+        if not target.is_file():
+            raise InvalidCheckpoint(f"{name} is missing")
+        size = target.stat().st_size
+        if size != entry.get("size"):
+            raise InvalidCheckpoint(f"{name} has {size} bytes, the manifest says {entry.get('size')}")
+        if file_crc32(target) != entry.get("crc32"):
+            raise InvalidCheckpoint(f"{name} fails its checksum (corrupted)")
+    return manifest
+
+
+def newest_valid(root: Path, on_skip: Callable[[Path, str], None]) -> tuple[Path, dict] | None:
+    """The newest committed checkpoint that verifies, skipping (and reporting) broken ones."""
+    root = Path(root)
+    if not root.is_dir():
+        return None
+    latest = read_latest(root)
+    steps = sorted((s for s in map(step_of, root.iterdir()) if s is not None), reverse=True)
+    for step in steps:
+        if latest is not None and step > latest:
+            continue  # written but never committed: the crash came before `latest` moved
+        path = root / f"step-{step}"
+        try:
+            return path, verify(path)
+        except InvalidCheckpoint as e:
+            on_skip(path, str(e))
+    return None
+
+
+def latest_checkpoint(root: Path) -> Path | None:
+    """The committed checkpoint `latest` names, without verifying it (cheap; for tools)."""
+    step = read_latest(root)
+    path = Path(root) / f"step-{step}"
+    return path if step is not None and (path / ".metadata").is_file() else None
+
+
+def tensor_entries(path: Path) -> dict[str, TensorStorageMetadata]:
+    """DCP's flat key -> tensor metadata (global shape, dtype); refuses pickled entries."""
+    if not (Path(path) / ".metadata").is_file():
+        raise TrainbookError("not a trainbook checkpoint (no DCP .metadata)", where=str(path))
+    metadata = dcp.FileSystemReader(path).read_metadata()
+    for key, item in metadata.state_dict_metadata.items():
+        # trainbook checkpoints hold tensors only; DCP would unpickle any other object it finds.
+        if not isinstance(item, TensorStorageMetadata):
+            raise TrainbookError(f"holds a pickled object at {key!r}; refusing to unpickle it", where=str(path))
+    return dict(metadata.state_dict_metadata)
+
+
+def flatten(state: dict, prefix: str = "") -> dict[str, torch.Tensor]:
+    """Nested dicts of tensors -> {"a.b.c": tensor}, the keys DCP stores them under."""
+    flat = {}
+    for key, value in state.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, dict):
+            flat.update(flatten(value, name + "."))
+        else:
+            flat[name] = value
+    return flat
 
 
 def load_state(path: Path, state: dict) -> None:
-    """Fill `state` (same nesting as saved, tensors pre-allocated) in place from checkpoint `path`."""
-    if not (Path(path) / ".metadata").is_file():
-        raise TrainbookError("not a trainbook checkpoint (no DCP .metadata)", where=str(path))
-    # trainbook checkpoints hold tensors only; DCP would unpickle any other object it finds.
-    metadata = dcp.FileSystemReader(path).read_metadata()
-    for key, item in metadata.state_dict_metadata.items():
-        if not isinstance(item, TensorStorageMetadata):
-            raise TrainbookError(f"holds a pickled object at {key!r}; refusing to unpickle it", where=str(path))
+    """Fill `state` (same nesting as saved, tensors pre-allocated) in place from checkpoint `path`.
+
+    Shapes are checked first, so a checkpoint of another model fails with the tensor's name and
+    both shapes instead of a DCP traceback.
+    """
+    entries = tensor_entries(path)
+    for key, tensor in flatten(state).items():
+        if key not in entries:
+            raise TrainbookError(f"has no tensor {key!r}", where=str(path))
+        if tuple(entries[key].size) != tuple(tensor.shape):
+            raise TrainbookError(
+                f"{key}: checkpoint has shape {tuple(entries[key].size)}, this run has {tuple(tensor.shape)}",
+                where=str(path),
+            )
     with _single_process_ok():
-        dcp.load(state, checkpoint_id=path)
+        dcp.load(state, checkpoint_id=path, no_dist=_no_dist())
 
 
 def locate(target: Path) -> tuple[Path, Path]:
-    """(run directory, checkpoint directory) for a run directory or a checkpoint directory."""
+    """(run directory, checkpoint directory) for a run directory or a checkpoint directory.
+
+    A run directory means its newest checkpoint that verifies; a checkpoint directory must verify.
+    """
     target = Path(target)
     if (target / ".metadata").is_file():
+        try:
+            verify(target)
+        except InvalidCheckpoint as e:
+            raise TrainbookError(f"checkpoint is not valid: {e}", where=str(target)) from None
         return target.parent.parent, target
     if (target / "config.resolved.toml").is_file():
-        ckpt = latest_checkpoint(target / "checkpoints")
-        if ckpt is None:
-            raise TrainbookError("run has no complete checkpoint yet", where=str(target))
-        return target, ckpt
+        found = newest_valid(target / "checkpoints", on_skip=lambda path, why: None)
+        if found is None:
+            raise TrainbookError("run has no valid checkpoint yet", where=str(target))
+        return target, found[0]
     raise TrainbookError("neither a run directory nor a checkpoint", where=str(target))

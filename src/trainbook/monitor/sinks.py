@@ -5,10 +5,12 @@ from __future__ import annotations
 import json
 import logging
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Protocol
 
+from trainbook.atomic import atomic_write_text
 from trainbook.monitor.report import EvalReport, StepReport
 
 
@@ -20,15 +22,21 @@ class Monitor(Protocol):
 
 
 class JsonlWriter:
-    """Appends one JSON object per line and flushes it, so a crash loses at most one line."""
+    """Appends one JSON object per line and flushes it, so a crash loses at most one line.
+
+    Thread-safe: an async checkpoint reports its commit from a background thread.
+    """
 
     def __init__(self, path: Path):
         self.path = path
         self._file = open(path, "a", encoding="utf-8")
+        self._lock = threading.Lock()
 
     def write(self, record: dict) -> None:
-        self._file.write(json.dumps(record) + "\n")
-        self._file.flush()
+        line = json.dumps(record) + "\n"
+        with self._lock:
+            self._file.write(line)
+            self._file.flush()
 
     def close(self) -> None:
         self._file.close()
@@ -39,6 +47,29 @@ class EventLog(JsonlWriter):
 
     def emit(self, kind: str, step: int, **fields) -> None:
         self.write({"kind": kind, "step": step, "time": time.time(), **fields})
+
+
+def rewind_metrics(path: Path, step: int) -> int:
+    """Keep the records of steps <= `step` (a resume point); returns how many lines were dropped.
+
+    Lines after the checkpoint a run resumes from were written by the attempt that crashed; the
+    resumed run writes those steps again, so keeping them would duplicate steps. A line cut short
+    by the crash is dropped too.
+    """
+    if not path.is_file():
+        return 0
+    kept, dropped = [], 0
+    for line in path.read_text(encoding="utf-8").splitlines():
+        try:
+            keep = json.loads(line)["step"] <= step
+        except (ValueError, KeyError, TypeError):
+            keep = False
+        if keep:
+            kept.append(line + "\n")
+        else:
+            dropped += 1
+    atomic_write_text(path, "".join(kept))
+    return dropped
 
 
 def format_step(r: StepReport, max_steps: int) -> str:

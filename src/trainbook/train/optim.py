@@ -46,3 +46,21 @@ def load_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer, sta
     for name, p in model.named_parameters():
         if name in state:
             optimizer.state[p] = {key: value.clone() for key, value in state[name].items()}
+
+
+def optimizer_state_like(model: nn.Module, entries: dict, prefix: str = "optim.") -> dict[str, dict]:
+    """Empty tensors shaped like the optimizer state a checkpoint holds, for DCP to load into.
+
+    `entries` is the checkpoint's flat key -> tensor metadata. A tensor with the parameter's
+    (global) shape is allocated like the parameter, so a sharded parameter gets a sharded state.
+    """
+    state: dict[str, dict] = {}
+    for name, p in model.named_parameters():
+        head = f"{prefix}{name}."
+        for key, meta in entries.items():
+            if key.startswith(head) and "." not in key[len(head):]:
+                dtype = meta.properties.dtype
+                like = (torch.zeros_like(p, dtype=dtype) if tuple(meta.size) == tuple(p.shape)
+                        else torch.zeros(tuple(meta.size), dtype=dtype))
+                state.setdefault(name, {})[key[len(head):]] = like
+    return state

@@ -6,14 +6,17 @@ start leaves nothing behind and never touches an existing run.
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
+from trainbook.checkpoint import InvalidCheckpoint, newest_valid, read_latest, step_of, verify
 from trainbook.config import Config, dump_toml, load_config
 from trainbook.data import Prepared, prepare
 from trainbook.errors import TrainbookError
 from trainbook.model import resolve
+from trainbook.monitor import rewind_metrics
 from trainbook.parallel import pick_device
 from trainbook.atomic import atomic_write_json, atomic_write_text
 from trainbook.runs import capture_env, create_run_dir
@@ -52,21 +55,136 @@ def prepare_data(cfg: Config, recipe: Path, log=print) -> Prepared:
     return data
 
 
-def start_run(recipe: Path, overrides: list[str], run_dir: Path | None = None) -> dict:
+def start_run(recipe: Path, overrides: list[str], run_dir: Path | None = None, resume: str = "auto") -> dict:
+    """Train `recipe` in a new run directory, or continue a run from a checkpoint.
+
+    `resume`: `auto` continues `run_dir` from its newest valid checkpoint when it holds a run
+    (a new or empty directory starts fresh), `never` always starts fresh, anything else is the
+    path of a checkpoint (or run) to continue from.
+    """
     cfg = resolve_config(recipe, overrides)
+    start = find_resume_point(resume, run_dir)
+    if start is not None:
+        check_compatible(start.manifest, cfg, start.where)
     device = pick_device(cfg.run.device)
     if cfg.run.threads:
         torch.set_num_threads(cfg.run.threads)
     data = prepare_data(cfg, recipe)
 
-    run_dir = create_run_dir(cfg.run.runs_root, cfg.run.name, run_dir)
+    if start is not None and start.run_dir is not None and (start.run_dir / "config.resolved.toml").is_file():
+        run_dir = start.run_dir
+        dropped = rewind_metrics(run_dir / "metrics.jsonl", start.manifest["step"])
+        changed = config_changes(start.manifest["config"], cfg)
+        if changed:
+            atomic_write_text(run_dir / "config.resolved.toml", dump_toml(cfg))
+    else:
+        run_dir = create_run_dir(cfg.run.runs_root, cfg.run.name, run_dir if start is None else start.run_dir)
+        _archive(run_dir, recipe, cfg, device, data)
+        dropped, changed = 0, config_changes(start.manifest["config"], cfg) if start else {}
+
+    trainer = Trainer(cfg, run_dir, data, device)
+    try:
+        if start is not None:
+            trainer.checkpointer.discard_uncommitted(resumed_step=start.manifest["step"])
+            trainer.load_checkpoint(start.path)
+            trainer.record_resume(start.path, skipped=start.skipped, changed=changed,
+                                  dropped_metric_lines=dropped)
+        return trainer.fit()
+    finally:
+        trainer.close()
+
+
+def _archive(run_dir: Path, recipe: Path, cfg: Config, device: torch.device, data: Prepared) -> None:
     atomic_write_text(run_dir / "recipe.toml", Path(recipe).read_text(encoding="utf-8"))
     atomic_write_text(run_dir / "config.resolved.toml", dump_toml(cfg))
     atomic_write_json(run_dir / "env.json", capture_env(world_size=1, device=device), indent=2)
     data.tokenizer.save(run_dir / "tokenizer")
 
-    trainer = Trainer(cfg, run_dir, data, device)
-    try:
-        return trainer.fit()
-    finally:
-        trainer.close()
+
+@dataclass
+class ResumePoint:
+    path: Path  # the checkpoint
+    manifest: dict
+    run_dir: Path | None  # where the run continues (None: a new run directory)
+    where: str  # how the user named it, for errors
+    skipped: list[tuple[str, str]] = field(default_factory=list)  # invalid newer checkpoints
+
+
+def find_resume_point(resume: str, run_dir: Path | None) -> ResumePoint | None:
+    """Which checkpoint a run continues from (None: a fresh start), checked before anything is written."""
+    if resume == "never":
+        return None
+    if resume == "auto":
+        if run_dir is None or not run_dir.is_dir() or not any(run_dir.iterdir()):
+            return None
+        where = f"--run-dir {run_dir}"
+        if not (run_dir / "config.resolved.toml").is_file():
+            raise TrainbookError("is not empty and is not a trainbook run; use a new directory", where=where)
+        skipped: list[tuple[str, str]] = []
+        found = newest_valid(run_dir / "checkpoints", on_skip=lambda p, why: skipped.append((str(p), why)))
+        if found is None:
+            why = f" ({len(skipped)} invalid: {skipped[0][1]})" if skipped else ""
+            raise TrainbookError(
+                f"holds a run with no valid checkpoint to resume from{why}; start a new run in "
+                "another directory", where=where,
+            )
+        return ResumePoint(found[0], found[1], run_dir, where, skipped)
+
+    where = f"--resume {resume}"
+    path = Path(resume)
+    skipped: list[tuple[str, str]] = []
+    if (path / "config.resolved.toml").is_file():  # a run: its newest valid checkpoint
+        found = newest_valid(path / "checkpoints", on_skip=lambda p, why: skipped.append((str(p), why)))
+        if found is None:
+            raise TrainbookError("run has no valid checkpoint", where=where)
+        (ckpt, manifest), ckpt_run = found, path
+    elif (path / ".metadata").is_file() or (path / "manifest.json").is_file():
+        try:
+            manifest = verify(path)
+        except InvalidCheckpoint as e:
+            raise TrainbookError(f"is not a valid checkpoint: {e}", where=where) from None
+        ckpt, ckpt_run = path, path.parent.parent
+    else:
+        raise TrainbookError("is neither a checkpoint nor a run directory", where=where)
+
+    own_run = (ckpt_run / "config.resolved.toml").is_file()
+    target = run_dir if run_dir is not None else (ckpt_run if own_run else None)
+    if target is not None and own_run and target.resolve() == ckpt_run.resolve():
+        later = [s for s in map(step_of, ckpt.parent.iterdir())
+                 if s is not None and manifest["step"] < s <= (read_latest(ckpt.parent) or 0)]
+        if later:
+            raise TrainbookError(
+                f"the run has checkpoints after step {manifest['step']} (step-{max(later)}); continue it "
+                "with --resume auto, or branch from this one with a new --run-dir", where=where,
+            )
+    elif target is not None and target.is_dir() and any(target.iterdir()):
+        raise TrainbookError("is not empty; a run branched from a checkpoint needs a new directory",
+                             where=f"--run-dir {target}")
+    return ResumePoint(ckpt, manifest, target, where, skipped)
+
+
+# Model fields that decide tensor shapes: a checkpoint cannot load into a model that differs in one.
+SHAPE_FIELDS = ("dim", "n_layers", "n_heads", "n_kv_heads", "vocab_size", "ffn_dim", "tie_embeddings")
+
+
+def check_compatible(manifest: dict, cfg: Config, where: str) -> None:
+    saved = manifest.get("config", {}).get("model", {})
+    for key in SHAPE_FIELDS:
+        ours = getattr(cfg.model, key)
+        if key in saved and saved[key] != ours:
+            raise TrainbookError(f"checkpoint has {key}={saved[key]}, recipe has {ours}", where=where)
+
+
+def config_changes(saved: dict, cfg: Config) -> dict[str, tuple]:
+    """Flat `section.key` -> (checkpoint's value, this run's value) for every value that differs."""
+    def flat(tree: dict, prefix: str = "") -> dict:
+        out = {}
+        for key, value in tree.items():
+            if isinstance(value, dict):
+                out.update(flat(value, f"{prefix}{key}."))
+            else:
+                out[f"{prefix}{key}"] = value
+        return out
+
+    old, new = flat(saved), flat(cfg.model_dump(mode="json"))
+    return {k: (old.get(k), new.get(k)) for k in sorted(old.keys() | new.keys()) if old.get(k) != new.get(k)}

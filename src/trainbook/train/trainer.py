@@ -5,8 +5,12 @@ Data flows one way: each step produces a StepReport, the monitors consume it.
 
 from __future__ import annotations
 
+import contextlib
+import hashlib
 import logging
 import random
+import signal
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -14,8 +18,10 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from trainbook.checkpoint import Checkpointer
-from trainbook.config import Config
+import trainbook
+from trainbook.checkpoint import Checkpointer, any_rank, load_state, tensor_entries
+from trainbook.config import Config, dump_toml
+from trainbook.faults import fault_point
 from trainbook.data import Prepared, TrainLoader, val_batches
 from trainbook.model import build_model, num_params
 from trainbook.monitor import (
@@ -24,7 +30,8 @@ from trainbook.monitor import (
 )
 from trainbook.parallel.device import peak_memory_bytes
 from trainbook.precision import Precision
-from trainbook.train.optim import build_optimizer, optimizer_state
+from trainbook.train.optim import build_optimizer, load_optimizer_state, optimizer_state, optimizer_state_like
+from trainbook.train.rng import rng_state, set_rng_state
 from trainbook.train.schedule import LRSchedule
 from trainbook.train.step import evaluate, train_step
 
@@ -47,10 +54,15 @@ class Trainer:
         self.precision = Precision(cfg.precision, device)
         self.train_loader = self._build_train_loader(data)
         self.val_batches = self._build_val_batches(data)
-        self.checkpointer = Checkpointer(self.run_dir / "checkpoints", cfg.checkpoint)
         self.logger, self.events, self.monitors = self._build_monitors()
+        self.checkpointer = Checkpointer(
+            self.run_dir / "checkpoints", cfg.checkpoint, describe=checkpoint_description(cfg),
+            on_commit=self._on_checkpoint_committed,
+        )
+        self.rank = 0
         self.step = 0
         self.tokens = 0
+        self.stop_signal: int | None = None  # set by SIGTERM/SIGINT; the loop saves and stops
         t = cfg.train
         self.tokens_per_step = t.grad_accum_steps * t.micro_batch_size * t.seq_len
 
@@ -89,20 +101,28 @@ class Trainer:
     # ---- the loop ------------------------------------------------------------------------
 
     def fit(self) -> dict:
-        """Train to `train.max_steps`; returns a summary of the run."""
+        """Train to `train.max_steps` (or until SIGTERM/SIGINT); returns a summary of the run."""
         t = self.cfg.train
         self._announce()
         batches = iter(self.train_loader)
-        last_eval = self._evaluate() if self.val_batches else None
+        last_eval = self._evaluate() if self.val_batches and self.step == 0 else None
         report = None
-        while self.step < t.max_steps:
-            report = self.advance(batches)
-            if self.val_batches and (self.step % t.eval_every == 0 or self.step == t.max_steps):
-                last_eval = self._evaluate()
-            if self.checkpointer.due(self.step, t.max_steps):
-                self._save_checkpoint()
+        with self._signals_stop_the_loop():
+            while self.step < t.max_steps:
+                report = self.advance(batches)
+                if self.val_batches and (self.step % t.eval_every == 0 or self.step == t.max_steps):
+                    last_eval = self._evaluate()
+                stopping = any_rank(self.stop_signal is not None)
+                if stopping or self.checkpointer.due(self.step, t.max_steps):
+                    self._save_checkpoint()
+                if stopping:
+                    self._on_stop()
+                    break
+                fault_point("train.after_step", self.step)
+            self.checkpointer.wait()  # an async save still in flight is part of the run
         return {"step": self.step, "tokens": self.tokens, "loss": report.loss if report else None,
-                "val_loss": last_eval, "run_dir": str(self.run_dir)}
+                "val_loss": last_eval, "run_dir": str(self.run_dir),
+                "stopped_by": signal.Signals(self.stop_signal).name if self.stop_signal else None}
 
     def advance(self, batches: Iterator) -> StepReport:
         """One optimizer step: set the LR, run train_step, count, and report to the monitors."""
@@ -134,7 +154,8 @@ class Trainer:
             f"{t.max_steps} steps x {tokens_per_step:,} tokens ({t.grad_accum_steps} x "
             f"{t.micro_batch_size} x {t.seq_len}) | device {self.device}"
         )
-        self.events.emit("start", self.step, tokens_per_step=tokens_per_step)
+        if self.step == 0:
+            self.events.emit("start", self.step, tokens_per_step=tokens_per_step)
 
     def _evaluate(self) -> float:
         val_loss = evaluate(self.model, self.val_batches, self.precision, self.device)
@@ -143,26 +164,103 @@ class Trainer:
             monitor.on_eval(report)
         return val_loss
 
+    # ---- checkpoints, resume, signals ----------------------------------------------------
+
     def _save_checkpoint(self) -> None:
-        path = self.checkpointer.save(self.step, self.state_dict())
-        self.events.emit("checkpoint", self.step, path=str(path.relative_to(self.run_dir)))
-        self._message(f"checkpoint saved: {path}")
+        self.checkpointer.save(self.step, self.state_dict(), info={"tokens": self.tokens})
+
+    def _on_checkpoint_committed(self, step: int, path: Path, seconds: float) -> None:
+        # Async mode calls this from the thread that finished the save.
+        self.events.emit("checkpoint", step, path=str(path.relative_to(self.run_dir)), seconds=round(seconds, 3))
+        self._message(f"checkpoint saved: {path} ({seconds:.1f} s)")
 
     def state_dict(self) -> dict:
-        """Everything a checkpoint holds (the checkpoint issue adds RNG and data position)."""
+        """Everything a checkpoint holds: tensors only, so loading never unpickles.
+
+        The LR schedule is a pure function of `trainer.step`, and the data order a pure function
+        of the seed and `data.consumed`; RNG states are kept per rank.
+        """
         return {
             "model": self.model.state_dict(),
             "optim": optimizer_state(self.model, self.optimizer),
             "trainer": {"step": torch.tensor(self.step), "tokens": torch.tensor(self.tokens)},
+            "data": {k: torch.tensor(v) for k, v in self.train_loader.state_dict().items()},
+            "rng": {f"rank{self.rank}": rng_state()},
         }
+
+    def load_checkpoint(self, path: Path) -> None:
+        """Continue from checkpoint `path`: model, optimizer moments, counters, data position, RNG."""
+        entries = tensor_entries(path)
+        state = self.state_dict()  # model tensors are the parameters: DCP loads into them in place
+        state["optim"] = optimizer_state_like(self.model, entries)
+        rng_key = f"rank{self.rank}"
+        if f"rng.{rng_key}.torch_cpu" not in entries:  # a checkpoint from fewer ranks
+            state.pop("rng")
+            self.logger.warning(f"{path} has no RNG state for rank {self.rank}; it keeps its seeded state")
+        load_state(path, state)
+        load_optimizer_state(self.model, self.optimizer, state["optim"])
+        self.step = int(state["trainer"]["step"])
+        self.tokens = int(state["trainer"]["tokens"])
+        self.train_loader.load_state_dict({k: int(v) for k, v in state["data"].items()})
+        if "rng" in state:
+            set_rng_state(state["rng"][rng_key])
+
+    def record_resume(self, path: Path, **facts) -> None:
+        """Say in the log and events.jsonl where this run continues from, and what was skipped."""
+        for bad, why in facts.get("skipped", []):
+            self.logger.warning(f"skipped invalid checkpoint {bad}: {why}")
+            self.events.emit("checkpoint_invalid", self.step, path=str(bad), reason=why)
+        for key, (old, new) in facts.get("changed", {}).items():
+            self.logger.warning(f"config changed since the checkpoint: {key} = {old!r} -> {new!r}")
+        self.events.emit("resume", self.step, path=str(path), tokens=self.tokens, **{
+            k: v for k, v in facts.items() if k != "skipped"})
+        self._message(f"resumed from {path} at step {self.step}")
+
+    @contextlib.contextmanager
+    def _signals_stop_the_loop(self):
+        """SIGTERM (pre-emption) and SIGINT finish the step, save a checkpoint and stop.
+
+        A second SIGINT interrupts at once (the default handler is back after the first).
+        """
+        if threading.current_thread() is not threading.main_thread():
+            yield
+            return
+
+        def request_stop(signum, frame):
+            self.stop_signal = signum
+            signal.signal(signum, previous[signum])
+
+        previous = {s: signal.signal(s, request_stop) for s in (signal.SIGTERM, signal.SIGINT)}
+        try:
+            yield
+        finally:
+            for s, handler in previous.items():
+                signal.signal(s, handler)
+
+    def _on_stop(self) -> None:
+        name = signal.Signals(self.stop_signal).name
+        self.events.emit("stopped", self.step, signal=name)
+        self._message(f"{name} received: stopped after step {self.step} with a checkpoint")
 
     def _message(self, text: str) -> None:
         for monitor in self.monitors:
             monitor.message(text)
 
     def close(self) -> None:
+        self.checkpointer.close()
         self.train_loader.close()
         for monitor in self.monitors:
             monitor.close()
         self.events.close()
         close_run_logger(self.logger)
+
+
+def checkpoint_description(cfg: Config) -> dict:
+    """What every manifest says about the run that wrote it (compatibility checks read it)."""
+    text = dump_toml(cfg)
+    return {
+        "config_sha256": hashlib.sha256(text.encode()).hexdigest(),
+        "config": cfg.model_dump(mode="json"),
+        "parallel": cfg.parallel.model_dump(mode="json"),
+        "versions": {"trainbook": trainbook.__version__, "torch": torch.__version__},
+    }

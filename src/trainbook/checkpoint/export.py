@@ -1,0 +1,202 @@
+"""`trainbook export`: a checkpoint's model weights as a safetensors file or a Hugging Face folder.
+
+    --format safetensors   OUT/model.safetensors      trainbook parameter names; the step and the
+                                                      model config in its `__metadata__`
+    --format hf            OUT/model.safetensors      `LlamaForCausalLM` names (model.hf)
+                           OUT/config.json            from the run's resolved model config
+                           OUT/generation_config.json the tokenizer's bos/eos/pad ids
+                           OUT/<tokenizer files>      the run's `tokenizer/` folder, as saved, plus
+                                                      tokenizer_config.json for a tokenizer.json
+
+Only the checkpoint's `model.*` entries are read, straight into tensors of the export dtype: no
+model is initialised and no optimizer state is allocated, so peak memory is one copy of the weights
+in that dtype. DCP assembles each tensor whole from however many shards and ranks wrote it.
+A tied embedding is written once (`tok_embeddings.weight`; HF: `model.embed_tokens.weight`).
+
+OUT appears complete or not at all: everything is written into OUT.tmp, synced, then renamed.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import shutil
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+from trainbook.atomic import fsync_dir
+from trainbook.checkpoint import load_state, locate, step_of, tensor_entries
+from trainbook.config import ModelConfig, load_config
+from trainbook.errors import TrainbookError
+from trainbook.model import build_model, resolve
+from trainbook.model.hf import hf_config, to_hf_state_dict
+
+FORMATS = ("safetensors", "hf")
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+WEIGHTS_FILE = "model.safetensors"
+TOKENIZER_META = "tokenizer_meta.json"  # data.tokenizer.META_FILE; the data package is not needed here
+
+
+def export_command(target: Path, fmt: str, out: Path, dtype: str = "fp32") -> str:
+    """Run `export` and return the line the CLI prints."""
+    out = export(target, fmt, out, dtype)
+    size_mb = sum(f.stat().st_size for f in out.iterdir()) / 1e6
+    return f"exported {fmt} ({dtype}, {size_mb:,.1f} MB) -> {out}"
+
+
+def export(target: Path, fmt: str, out: Path, dtype: str = "fp32") -> Path:
+    """Write the model of checkpoint (or run's latest checkpoint) `target` to new folder `out`."""
+    _check_choice(fmt, FORMATS, "--format")
+    _check_choice(dtype, DTYPES, "--dtype")
+    out = Path(out)
+    _check_out(out)
+    run_dir, ckpt = locate(target)
+    cfg = resolve(load_config(run_dir / "config.resolved.toml").model)
+    weights = read_weights(ckpt, cfg, DTYPES[dtype])
+    if cfg.tie_embeddings:
+        # Same tensor twice in the state dict; safetensors refuses aliases and one copy is enough.
+        weights.pop("output.weight")
+    # "format": "pt" is what transformers requires of a safetensors file's metadata.
+    step = step_of(ckpt)  # None for a checkpoint folder renamed by hand
+    metadata = {"format": "pt", "trainbook.step": str(step) if step is not None else "unknown",
+                "trainbook.dtype": dtype}  # fmt: skip
+
+    tmp = out.with_name(out.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)  # leftovers of an export that crashed
+    tmp.mkdir(parents=True)
+    try:
+        if fmt == "safetensors":
+            metadata["trainbook.model"] = json.dumps(cfg.model_dump(mode="json"))
+            save_file(weights, tmp / WEIGHTS_FILE, metadata=metadata | {"trainbook.layout": "trainbook"})
+        else:
+            _write_hf(tmp, weights, cfg, DTYPES[dtype], run_dir / "tokenizer", metadata)
+        _publish(tmp, out)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)  # gone after the rename; a half export otherwise
+    return out
+
+
+def read_weights(ckpt: Path, cfg: ModelConfig, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """The model tensors of checkpoint `ckpt`, full and on CPU, in `dtype`, by trainbook name.
+
+    Checked first against the shapes `cfg` gives, so a checkpoint from another model is named as
+    such rather than failing inside DCP.
+    """
+    expected = {k: tuple(v.shape) for k, v in build_model(cfg, "meta", seed=0).state_dict().items()}
+    _check_shapes(ckpt, _saved_model_shapes(ckpt), expected)
+    # Loaded straight into `dtype`: DCP copies each saved tensor into the one given (copy_
+    # converts, rounding to nearest as .to() does), so no full fp32 copy is held alongside.
+    weights = {k: torch.empty(shape, dtype=dtype) for k, shape in expected.items()}
+    load_state(ckpt, {"model": weights})
+    for name, t in weights.items():
+        if not torch.isfinite(t).all():
+            fp16 = dtype == torch.float16
+            why = "overflows fp16 (|w| > 65504); try --dtype bf16" if fp16 else "holds inf/nan"
+            raise TrainbookError(f"'model.{name}' {why}", where=str(ckpt))
+    return weights
+
+
+def _saved_model_shapes(ckpt: Path) -> dict[str, tuple[int, ...]]:
+    entries = tensor_entries(ckpt).items()
+    return {key.removeprefix("model."): tuple(item.size) for key, item in entries if key.startswith("model.")}
+
+
+def _check_shapes(ckpt: Path, saved: dict[str, tuple], expected: dict[str, tuple]) -> None:
+    for name, shape in expected.items():
+        if name not in saved:
+            raise TrainbookError(
+                f"the checkpoint has no 'model.{name}', which the run's model config needs",
+                where=str(ckpt),
+            )
+        if saved[name] != shape:
+            raise TrainbookError(
+                f"'model.{name}' has shape {list(saved[name])} in the checkpoint, "
+                f"{list(shape)} in the run's model config",
+                where=str(ckpt),
+            )
+    extra = sorted(set(saved) - set(expected))
+    if extra:
+        raise TrainbookError(
+            f"the checkpoint has 'model.{extra[0]}', which the run's model config does not",
+            where=str(ckpt),
+        )
+
+
+def _write_hf(
+    tmp: Path, weights: dict, cfg: ModelConfig, dtype: torch.dtype, tokenizer_dir: Path, metadata: dict
+) -> None:
+    hf_weights = to_hf_state_dict(weights, tied=cfg.tie_embeddings)
+    save_file(hf_weights, tmp / WEIGHTS_FILE, metadata=metadata | {"trainbook.layout": "hf"})
+    specials = _tokenizer_specials(tokenizer_dir)
+    ids = {name: (specials.get(name) or {}).get("id") for name in ("bos", "eos", "pad")}
+    _write_json(tmp / "config.json", hf_config(cfg, dtype, **{f"{n}_id": i for n, i in ids.items()}))
+    if any(i is not None for i in ids.values()):
+        # What `generate` stops on and pads with; transformers reads it from here, not config.json.
+        _write_json(tmp / "generation_config.json", {f"{n}_token_id": i for n, i in ids.items()})
+    if tokenizer_dir.is_dir():
+        for f in sorted(tokenizer_dir.iterdir()):
+            if f.is_file():
+                shutil.copy2(f, tmp / f.name)
+    if (tmp / "tokenizer.json").is_file():
+        _write_json(tmp / "tokenizer_config.json", _hf_tokenizer_config(specials, cfg.max_seq_len))
+
+
+def _tokenizer_specials(tokenizer_dir: Path) -> dict:
+    """{"bos"|"eos"|"pad": {"token", "id"} or None, "add_bos": bool} from the saved tokenizer's
+    meta file; {} when the run has none (the ids are then written as unknown)."""
+    meta = tokenizer_dir / TOKENIZER_META
+    if not meta.is_file():
+        return {}
+    try:
+        return json.loads(meta.read_text(encoding="utf-8"))
+    except ValueError as e:
+        raise TrainbookError(f"unreadable tokenizer meta: {e}", where=str(meta)) from None
+
+
+def _hf_tokenizer_config(specials: dict, max_len: int) -> dict:
+    # Names the specials (without it transformers' tokenizer knows no eos_token_id) and picks the
+    # generic fast class, which runs tokenizer.json as trainbook does; transformers 4.x would
+    # otherwise pick LlamaTokenizerFast for model_type "llama", which inserts a BOS of its own.
+    # TODO(add_bos): a run with `tokenizer.add_bos` prepends BOS itself; HF's generic class does
+    # not, and making it would mean editing tokenizer.json (breaking tokenizer_meta's sha256).
+    config = {"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": max_len,
+              "clean_up_tokenization_spaces": False}  # fmt: skip
+    for name in ("bos", "eos", "pad"):
+        if specials.get(name):
+            config[f"{name}_token"] = specials[name]["token"]
+    return config
+
+
+def _publish(tmp: Path, out: Path) -> None:
+    """Sync tmp's files and rename tmp to out: a crash leaves out absent (or as it was), never half
+    written."""
+    for f in tmp.iterdir():
+        with open(f, "rb") as fh:
+            os.fsync(fh.fileno())
+    fsync_dir(tmp)
+    try:
+        os.replace(tmp, out)  # replaces an empty `out` folder, never a non-empty one
+    except OSError as e:
+        if e.errno not in (errno.ENOTEMPTY, errno.EEXIST, errno.ENOTDIR):
+            raise
+        why = "exists and is not empty (written while exporting?)"
+        raise TrainbookError(why, where=f"--out {out}") from None
+    fsync_dir(out.parent)
+
+
+def _check_out(out: Path) -> None:
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        why = "exists and is not empty; export into a new or empty folder"
+        raise TrainbookError(why, where=f"--out {out}")
+
+
+def _check_choice(value: str, choices, flag: str) -> None:
+    if value not in choices:
+        raise TrainbookError(f"unknown value {value!r} (choose from {', '.join(choices)})", where=flag)
+
+
+def _write_json(path: Path, obj: dict) -> None:
+    path.write_text(json.dumps(obj, indent=2) + "\n", encoding="utf-8")

@@ -1,0 +1,115 @@
+"""Trainbook's Llama <-> Hugging Face `LlamaForCausalLM`: parameter names and `config.json`.
+
+One table maps every parameter name; `to_hf_name` and `from_hf_name` read it in either direction.
+No tensor needs changing on the way: trainbook's RoPE already uses HF's half-split ("rotate_half")
+channel layout, so wq/wk are not permuted, and both store `nn.Linear` weights as (out, in).
+
+The one structural difference is tied embeddings: trainbook's state dict names the shared matrix
+twice (`tok_embeddings.weight`, `output.weight`), HF's once (`model.embed_tokens.weight`, no
+`lm_head.weight`, `tie_word_embeddings: true`). `to_hf_state_dict` drops the second name.
+"""
+
+from __future__ import annotations
+
+import re
+
+import torch
+
+from trainbook.config.schema import ModelConfig
+from trainbook.model.registry import is_resolved, resolve
+
+# trainbook name -> HF name, for the parameters outside the blocks.
+_TOP = {
+    "tok_embeddings.weight": "model.embed_tokens.weight",
+    "norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+# trainbook `layers.<i>.` suffix -> HF `model.layers.<i>.` suffix, for each block's parameters.
+_BLOCK = {
+    "attention_norm.weight": "input_layernorm.weight",
+    "attention.wq.weight": "self_attn.q_proj.weight",
+    "attention.wk.weight": "self_attn.k_proj.weight",
+    "attention.wv.weight": "self_attn.v_proj.weight",
+    "attention.wo.weight": "self_attn.o_proj.weight",
+    "ffn_norm.weight": "post_attention_layernorm.weight",
+    "feed_forward.w1.weight": "mlp.gate_proj.weight",
+    "feed_forward.w3.weight": "mlp.up_proj.weight",
+    "feed_forward.w2.weight": "mlp.down_proj.weight",
+}
+_TOP_BACK = {hf: ours for ours, hf in _TOP.items()}
+_BLOCK_BACK = {hf: ours for ours, hf in _BLOCK.items()}
+
+_OURS_BLOCK = re.compile(r"layers\.(\d+)\.(.+)")
+_HF_BLOCK = re.compile(r"model\.layers\.(\d+)\.(.+)")
+
+# torch dtype -> the name `config.json` gives it (`torch_dtype`).
+_HF_DTYPE = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+
+
+def to_hf_name(name: str) -> str:
+    """The HF `LlamaForCausalLM` name of trainbook parameter `name`; KeyError if it has none."""
+    return _rename(name, _TOP, _BLOCK, _OURS_BLOCK, "model.layers.")
+
+
+def from_hf_name(name: str) -> str:
+    """The trainbook name of HF `LlamaForCausalLM` parameter `name`; KeyError if it has none
+    (e.g. `rotary_emb.inv_freq`, which old HF checkpoints saved and trainbook derives)."""
+    return _rename(name, _TOP_BACK, _BLOCK_BACK, _HF_BLOCK, "layers.")
+
+
+def _rename(name: str, top: dict, block: dict, block_re: re.Pattern, block_prefix: str) -> str:
+    if name in top:
+        return top[name]
+    m = block_re.fullmatch(name)
+    if m is None or m.group(2) not in block:
+        raise KeyError(f"no Llama parameter maps to {name!r}")
+    return f"{block_prefix}{m.group(1)}.{block[m.group(2)]}"
+
+
+def to_hf_state_dict(state: dict[str, torch.Tensor], tied: bool) -> dict[str, torch.Tensor]:
+    """A trainbook model state dict under HF names; `output.weight` left out when `tied` (HF
+    re-ties `lm_head` to the embedding from `tie_word_embeddings`)."""
+    return {to_hf_name(k): v for k, v in state.items() if not (tied and k == "output.weight")}
+
+
+def hf_config(
+    cfg: ModelConfig,
+    dtype: torch.dtype,
+    *,
+    bos_id: int | None = None,
+    eos_id: int | None = None,
+    pad_id: int | None = None,
+) -> dict:
+    """The `config.json` of a `LlamaForCausalLM` equal to trainbook model `cfg`, weights in `dtype`.
+
+    Written in the long-standing flat form (top-level `rope_theta`, `torch_dtype`) that
+    transformers 4.x and 5.x, vLLM and llama.cpp's converter all read. Special token ids are
+    written even when unknown (null): left out, transformers would assume bos=1, eos=2.
+    """
+    cfg = cfg if is_resolved(cfg) else resolve(cfg)
+    return {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "hidden_size": cfg.dim,
+        "intermediate_size": cfg.ffn_dim,
+        "num_hidden_layers": cfg.n_layers,
+        "num_attention_heads": cfg.n_heads,
+        "num_key_value_heads": cfg.n_kv_heads,
+        "head_dim": cfg.dim // cfg.n_heads,
+        "vocab_size": cfg.vocab_size,
+        "hidden_act": "silu",
+        "rms_norm_eps": cfg.norm_eps,
+        "rope_theta": cfg.rope_theta,
+        "rope_scaling": None,  # trainbook's RoPE is unscaled (see model.registry)
+        "max_position_embeddings": cfg.max_seq_len,
+        "tie_word_embeddings": cfg.tie_embeddings,
+        "attention_bias": False,
+        "attention_dropout": 0.0,
+        "mlp_bias": False,
+        "initializer_range": cfg.init_std,
+        "torch_dtype": _HF_DTYPE[dtype],
+        "use_cache": True,
+        "bos_token_id": bos_id,
+        "eos_token_id": eos_id,
+        "pad_token_id": pad_id,
+    }
