@@ -87,9 +87,11 @@ def recipe(tmp_path: Path, corpus: Path) -> Path:
     return write_recipe(tmp_path / "unit.toml", corpus)
 
 
-def run_cli(*args: str, cwd: Path | None = None, timeout: float = 300) -> subprocess.CompletedProcess:
-    """The real `trainbook` command in a subprocess."""
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+def run_cli(
+    *args: str, cwd: Path | None = None, timeout: float = 300, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess:
+    """The real `trainbook` command in a subprocess (`env` adds to the environment)."""
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
     return subprocess.run(
         [sys.executable, "-m", "trainbook", *args],
         cwd=cwd, capture_output=True, text=True, timeout=timeout, env=env,

@@ -63,9 +63,7 @@ def run(
     """
     from trainbook.train.run import start_run
 
-    # Continuing a run needs no recipe: the run directory holds its resolved config.
-    archived = run_dir / "config.resolved.toml" if run_dir is not None and resume != "never" else None
-    path, overrides = _recipe_and_overrides(recipe, overrides, archived if archived and archived.is_file() else None)
+    path, overrides = _recipe_and_overrides(recipe, overrides, _archived_config(run_dir, resume))
     summary = start_run(path, overrides, run_dir, resume)
     loss = f", loss {summary['loss']:.4f}" if summary["loss"] is not None else ""
     val = f", val_loss {summary['val_loss']:.4f}" if summary["val_loss"] is not None else ""
@@ -74,6 +72,19 @@ def run(
                    f"trainbook run --run-dir {summary['run_dir']}")
         raise typer.Exit(128 + signal.Signals[summary["stopped_by"]].value)
     typer.echo(f"done: {summary['step']} steps{loss}{val} -> {summary['run_dir']}")
+
+
+def _archived_config(run_dir: Path | None, resume: str) -> Path | None:
+    """Continuing a run needs no recipe: the run (or the checkpoint's run) holds its resolved config."""
+    if resume == "never":
+        return None
+    candidates = [run_dir] if run_dir is not None else []
+    if resume != "auto":
+        candidates += [Path(resume), Path(resume).parent.parent]
+    for folder in candidates:
+        if (folder / "config.resolved.toml").is_file():
+            return folder / "config.resolved.toml"
+    return None
 
 
 @app.command()

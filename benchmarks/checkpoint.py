@@ -1,0 +1,239 @@
+"""Checkpoint save and load speed for a ~1.2 GB training state, against raw writes to the same disk.
+
+The state is what the trainer saves: a Llama's `state_dict()` plus two AdamW moments and a step
+per parameter, trainer counters and the data position (fp32: parameters x 4 bytes x 3). All
+files go to one directory on one disk, and both sides of each comparison start with the
+previous round's files deleted, so neither inherits the other's page cache.
+
+1. Sync save: `Checkpointer(mode="sync").save()` (DCP write + fsync, CRC-32 of every file,
+   manifest, rename, `latest`) against writing the same tensors' bytes to one file with
+   `open().write()` + `os.fsync` from the buffers already in memory. Interleaved rounds
+   (raw, sync, raw, sync, ...), medians. Ratio = raw time / sync time. Goal >= 0.5.
+2. Async save: the time `Checkpointer(mode="async").save()` blocks its caller (staging the state
+   into CPU copies) as a fraction of the median sync save. Its staging buffers are allocated by
+   the first save and reused after, so the first save is reported apart from the steady state.
+   Also the time until the checkpoint is committed. Goal <= 0.1.
+3. Load: `verify()` (reads and CRC-checks every file) then `load_state()` into preallocated
+   tensors, with the checkpoint's pages dropped from the page cache first (posix_fadvise: the
+   files were just written, so a load would otherwise read memory, not disk). No goal.
+
+    .venv/bin/python benchmarks/checkpoint.py [--gb 1.2] [--rounds 3] [--async-saves 3] [--dir DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+import trainbook.checkpoint.store as store
+from trainbook.checkpoint import Checkpointer, flatten, load_state, verify
+from trainbook.config import CheckpointConfig, ModelConfig
+from trainbook.model import build_model, num_params, resolve
+
+GB = 1e9
+
+# Llama-shaped blocks of ~11.3M parameters each; the number of blocks sets the size.
+SHAPE = dict(dim=1024, n_heads=8, n_kv_heads=2, ffn_dim=2816, vocab_size=8192)
+
+
+def build_state(gb: float) -> dict:
+    """A trainer-like state of about `gb` GB: model, AdamW moments, counters, data position."""
+    def params(n_layers: int) -> int:
+        return num_params(build_model(resolve(ModelConfig(name="tiny", n_layers=n_layers, **SHAPE)), "meta", seed=0))
+
+    # parameters x 4 bytes x 3 (weights, exp_avg, exp_avg_sq) = gb; size is linear in n_layers.
+    per_layer = params(2) - params(1)
+    n_layers = max(1, round((gb * GB / 12 - (params(1) - per_layer)) / per_layer))
+    model = build_model(resolve(ModelConfig(name="tiny", n_layers=n_layers, **SHAPE)), "cpu", seed=0)
+    # Random moments rather than zeros: every page is real memory, as after a few training steps.
+    optim = {
+        name: {"exp_avg": torch.randn_like(p) * 1e-3, "exp_avg_sq": torch.rand_like(p) * 1e-6,
+               "step": torch.tensor(100.0)}
+        for name, p in model.named_parameters()
+    }
+    return {
+        "model": model.state_dict(),
+        "optim": optim,
+        "trainer": {"step": torch.tensor(100), "tokens": torch.tensor(100 * 65536)},
+        "data": {"consumed": torch.tensor(6400)},
+    }
+
+
+def raw_write(path: Path, tensors: list[torch.Tensor]) -> None:
+    """The floor: the tensors' bytes, straight from their buffers, to one file, then fsync."""
+    with open(path, "wb") as f:
+        for t in tensors:
+            f.write(t.reshape(-1).view(torch.uint8).numpy())  # no copy: numpy shares the buffer
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def drop_cached_pages(path: Path) -> None:
+    """Ask the kernel to drop the (clean, fsynced) pages of every file under `path`; no root needed."""
+    for p in path.rglob("*"):
+        if p.is_file():
+            fd = os.open(p, os.O_RDONLY)
+            try:
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            finally:
+                os.close(fd)
+
+
+class Phases:
+    """Wall time spent inside store.file_crc32 and os.fsync while active (the rest is DCP's write,
+    planning and the commit's small files). Wraps module attributes; the overhead is a call each."""
+
+    def __init__(self):
+        self.crc = self.fsync = 0.0
+        self._crc, self._fsync = store.file_crc32, os.fsync
+
+    def _timed(self, fn, attr):
+        def wrapper(*a, **k):
+            start = time.perf_counter()
+            try:
+                return fn(*a, **k)
+            finally:
+                setattr(self, attr, getattr(self, attr) + time.perf_counter() - start)
+        return wrapper
+
+    def __enter__(self):
+        self.crc = self.fsync = 0.0
+        store.file_crc32, os.fsync = self._timed(self._crc, "crc"), self._timed(self._fsync, "fsync")
+        return self
+
+    def __exit__(self, *exc):
+        store.file_crc32, os.fsync = self._crc, self._fsync
+
+
+def like(state: dict) -> dict:
+    """Zeroed tensors shaped like `state` (touched, like a live model's parameters)."""
+    return {k: like(v) if isinstance(v, dict) else torch.zeros_like(v) for k, v in state.items()}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--gb", type=float, default=1.2, help="target state size in GB (1e9 bytes)")
+    parser.add_argument("--rounds", type=int, default=3, help="interleaved raw/sync rounds, and load rounds")
+    parser.add_argument("--async-saves", type=int, default=3, help="async saves (the first warms the buffers)")
+    parser.add_argument("--dir", type=Path, default=None, help="where to write (default: a temp dir)")
+    args = parser.parse_args()
+
+    if args.dir is not None:
+        args.dir.mkdir(parents=True, exist_ok=True)
+    work = Path(tempfile.mkdtemp(prefix="trainbook-ckpt-bench-", dir=args.dir))
+    try:
+        run(args, work)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def run(args: argparse.Namespace, work: Path) -> None:
+    started = time.perf_counter()
+    state = build_state(args.gb)
+    tensors = list(flatten(state).values())
+    nbytes = sum(t.nbytes for t in tensors)
+    n_params = sum(t.numel() for t in state["model"].values())
+    print(f"state: {nbytes / GB:.3f} GB in {len(tensors)} tensors (model {n_params:,} values, "
+          f"+ 2 AdamW moments each), built in {time.perf_counter() - started:.1f} s")
+    print(f"directory: {work}, torch threads {torch.get_num_threads()}", flush=True)
+
+    sync_cfg = CheckpointConfig(mode="sync", keep_last=1)
+
+    # Warm-up on a small state: DCP's first call pays imports and set-up that a training run pays once.
+    small = {"model": {"w": torch.randn(1 << 20)}}
+    ckpt = Checkpointer(work / "warmup", sync_cfg)
+    ckpt.save(0, small)
+    ckpt.close()
+    raw_write(work / "warmup.bin", list(flatten(small).values()))
+    shutil.rmtree(work / "warmup"), (work / "warmup.bin").unlink()
+
+    # ---- 1. sync save against raw writes, interleaved --------------------------------------
+    raw_times, sync_times, ratios, phases = [], [], [], Phases()
+    for i in range(args.rounds):
+        start = time.perf_counter()
+        raw_write(work / "raw.bin", tensors)
+        raw_times.append(time.perf_counter() - start)
+        (work / "raw.bin").unlink()
+
+        # A fresh root per round: the previous round's checkpoint is deleted here, not by
+        # keep_last's background thread while the next side is being timed.
+        ckpt = Checkpointer(work / f"sync-{i}", sync_cfg)
+        with phases:
+            start = time.perf_counter()
+            path = ckpt.save(100 + i, state)
+            sync_times.append(time.perf_counter() - start)
+        ckpt.close()
+        on_disk = sum(p.stat().st_size for p in path.iterdir())
+        shutil.rmtree(work / f"sync-{i}")
+
+        ratios.append(raw_times[-1] / sync_times[-1])
+        rest = sync_times[-1] - phases.crc - phases.fsync
+        print(f"round {i + 1}: raw {raw_times[-1]:.2f} s ({nbytes / raw_times[-1] / GB:.2f} GB/s)  "
+              f"sync save {sync_times[-1]:.2f} s ({nbytes / sync_times[-1] / GB:.2f} GB/s)  "
+              f"ratio {ratios[-1]:.3f}  [sync: write {rest:.2f} s, fsync {phases.fsync:.2f} s, "
+              f"crc32 {phases.crc:.2f} s]", flush=True)
+    sync_median = statistics.median(sync_times)
+
+    # ---- 2. async save: time the caller is blocked ------------------------------------------
+    ckpt = Checkpointer(work / "async", CheckpointConfig(mode="async", keep_last=1))
+    blocked, committed = [], []
+    for i in range(args.async_saves):
+        # The trainer builds its state dict at each save; same storages, so staging reuses buffers.
+        step_state = {**state, "model": state["model"].copy()}
+        start = time.perf_counter()
+        path = ckpt.save(200 + i, step_state)
+        blocked.append(time.perf_counter() - start)
+        ckpt.wait()
+        committed.append(time.perf_counter() - start)
+        print(f"async save {i + 1}{' (first: allocates staging buffers)' if i == 0 else ''}: "
+              f"blocked {blocked[-1]:.3f} s ({blocked[-1] / sync_median:.3f} of a sync save), "
+              f"committed after {committed[-1]:.2f} s", flush=True)
+        if i < args.async_saves - 1:
+            shutil.rmtree(path)  # so keep_last has nothing to delete in the background
+    ckpt.close()
+    steady = statistics.median(blocked[1:]) if len(blocked) > 1 else blocked[0]
+
+    # ---- 3. load: verify + load_state from disk ---------------------------------------------
+    target = like(state)
+    verify_times, load_times = [], []
+    for i in range(args.rounds):
+        drop_cached_pages(path)
+        start = time.perf_counter()
+        verify(path)
+        verify_times.append(time.perf_counter() - start)
+        start = time.perf_counter()
+        load_state(path, target)
+        load_times.append(time.perf_counter() - start)
+        total = verify_times[-1] + load_times[-1]
+        print(f"load {i + 1}: verify {verify_times[-1]:.2f} s + load_state {load_times[-1]:.2f} s = "
+              f"{total:.2f} s ({nbytes / total / GB:.2f} GB/s)", flush=True)
+    same = all(torch.equal(a, b) for a, b in zip(tensors, flatten(target).values(), strict=True))
+
+    # ---- summary ------------------------------------------------------------------------------
+    raw_m, ratio = statistics.median(raw_times), statistics.median(ratios)
+    v_m, l_m = statistics.median(verify_times), statistics.median(load_times)
+    print(f"\nstate {nbytes / GB:.3f} GB ({on_disk / GB:.3f} GB as a DCP checkpoint), "
+          f"{args.rounds} rounds, medians; total {time.perf_counter() - started:.0f} s")
+    print(f"sync save: {sync_median:.2f} s = {nbytes / sync_median / GB:.2f} GB/s; raw write + fsync "
+          f"{raw_m:.2f} s = {nbytes / raw_m / GB:.2f} GB/s")
+    print(f"  ratio (raw time / sync time): median of rounds {ratio:.3f}, "
+          f"all rounds {sum(raw_times) / sum(sync_times):.3f}  "
+          f"(goal >= 0.5: {'met' if ratio >= 0.5 else 'MISSED'})")
+    print(f"async save: blocked {steady:.3f} s in the steady state (first save {blocked[0]:.3f} s), "
+          f"committed after {statistics.median(committed[1:] or committed):.2f} s")
+    print(f"  blocked / sync save: {steady / sync_median:.3f} steady, {blocked[0] / sync_median:.3f} first  "
+          f"(goal <= 0.1: {'met' if steady / sync_median <= 0.1 else 'MISSED'})")
+    print(f"load (page cache dropped): {v_m + l_m:.2f} s = {nbytes / (v_m + l_m) / GB:.2f} GB/s "
+          f"(verify {v_m:.2f} s = {v_m / (v_m + l_m):.0%}, load_state {l_m:.2f} s); "
+          f"loaded state bitwise equal to the saved one: {same}")
+
+
+if __name__ == "__main__":
+    main()
