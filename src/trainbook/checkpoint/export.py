@@ -29,6 +29,7 @@ from safetensors.torch import save_file
 
 from trainbook.atomic import fsync_dir
 from trainbook.checkpoint import load_state, locate, step_of, tensor_entries
+from trainbook.checkpoint.store import MANIFEST
 from trainbook.config import ModelConfig, load_config
 from trainbook.errors import TrainbookError
 from trainbook.model import build_model, resolve
@@ -54,7 +55,10 @@ def export(target: Path, fmt: str, out: Path, dtype: str = "fp32") -> Path:
     out = Path(out)
     _check_out(out)
     run_dir, ckpt = locate(target)
-    cfg = resolve(load_config(run_dir / "config.resolved.toml").model)
+    # Training writes the resolved config into the manifest, so a checkpoint copied out of its
+    # run still exports; the run's config.resolved.toml is the fallback.
+    saved = json.loads((ckpt / MANIFEST).read_text(encoding="utf-8")).get("config", {}).get("model")
+    cfg = resolve(ModelConfig(**saved) if saved else load_config(run_dir / "config.resolved.toml").model)
     weights = read_weights(ckpt, cfg, DTYPES[dtype])
     if cfg.tie_embeddings:
         # Same tensor twice in the state dict; safetensors refuses aliases and one copy is enough.
