@@ -88,7 +88,7 @@ def main() -> None:
             nonlocal bare_step
             lrs = [trainer.schedule(bare_step + i) for i in range(args.steps)]
             bare_step += args.steps
-            losses["bare"].append(bare_loop(model, optimizer, bare_batches, lrs, accum=t.grad_accum_steps,
+            losses["bare"].append(bare_loop(model, optimizer, bare_batches, lrs, accum=t.grad_accum_steps(),
                                             grad_clip=cfg.optim.grad_clip))
 
         run_trainbook(), run_bare()  # warm-up: allocator, thread pools, first-call costs
@@ -112,7 +112,7 @@ def main() -> None:
 
     same = losses["trainbook"][args.steps - 1 :: args.steps] == losses["bare"]
     print(f"both sides computed the same losses (bitwise): {same}")
-    print(f"model {cfg.model.name}, {t.grad_accum_steps} x {t.micro_batch_size} x {t.seq_len} tokens/step, "
+    print(f"model {cfg.model.name}, {t.grad_accum_steps()} x {t.micro_batch_size} x {t.seq_len} tokens/step, "
           f"{args.rounds} rounds x {args.steps} steps, torch threads {torch.get_num_threads()}")
     print(f"trainbook {statistics.median(tb_rates):,.0f} tok/s, bare {statistics.median(bare_rates):,.0f} tok/s")
     # The fastest block of each side is the one least disturbed by other load on the machine.

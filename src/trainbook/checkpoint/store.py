@@ -22,6 +22,7 @@ import contextlib
 import json
 import os
 import shutil
+import threading
 import time
 import uuid
 import warnings
@@ -33,6 +34,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+import torch.distributed.checkpoint.filesystem
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
@@ -74,6 +76,58 @@ def file_crc32(path: Path) -> str:
     return f"{crc:08x}"
 
 
+class _ChecksummingStream:
+    """A write stream that computes the CRC-32 of what passes through it (DCP writes sequentially)."""
+
+    def __init__(self, raw):
+        self._raw = raw
+        self.crc = 0
+
+    def write(self, data) -> int:
+        self.crc = zlib.crc32(data, self.crc)
+        return self._raw.write(data)
+
+    def flush(self) -> None:
+        if not self._raw.closed:  # torch's writer may flush after DCP has closed the file
+            self._raw.flush()
+
+    def __getattr__(self, name):  # tell, fileno, closed, ...
+        return getattr(self._raw, name)
+
+
+class _ChecksummingFileSystem(dcp.filesystem.FileSystem):
+    """DCP's local filesystem, noting each written file's CRC-32 so nothing is read back to hash it."""
+
+    def __init__(self):
+        super().__init__()
+        self.crcs: dict[str, str] = {}
+        self._lock = threading.Lock()
+
+    @contextlib.contextmanager
+    def create_stream(self, path, mode):
+        with super().create_stream(path, mode) as raw:
+            if "w" not in mode:
+                yield raw
+                return
+            stream = _ChecksummingStream(raw)
+            yield stream
+        with self._lock:  # DCP's writer threads each write their own files
+            self.crcs[Path(path).name] = f"{stream.crc:08x}"
+
+    def rename(self, path, new_path) -> None:
+        super().rename(path, new_path)
+        with self._lock:
+            if Path(path).name in self.crcs:
+                self.crcs[Path(new_path).name] = self.crcs.pop(Path(path).name)
+
+
+def _writer(path: Path) -> dcp.FileSystemWriter:
+    # Two writer threads: serialising, checksumming and fsyncing one file overlaps the other's.
+    writer = dcp.FileSystemWriter(path, sync_files=True, thread_count=2)
+    writer.fs = _ChecksummingFileSystem()
+    return writer
+
+
 def step_of(path: Path) -> int | None:
     """N for a committed `step-N` directory name, else None (temp dirs, trash, files)."""
     name = Path(path).name
@@ -106,14 +160,18 @@ class Checkpointer:
         self._last_save = time.monotonic()
         self._in_flight: Future | None = None
         self._in_flight_step: int | None = None
-        # Async: one thread finishes the save in flight; the stager keeps its CPU copies between
-        # saves (pinned when an accelerator is there) so staging allocates only once.
+        # Async: the stager copies the state aside in its own thread (into CPU buffers it keeps
+        # between saves, pinned when an accelerator is there); one more thread finishes the save.
         self._finisher = ThreadPoolExecutor(1, thread_name_prefix="checkpoint") if cfg.mode == "async" else None
         self._stager = (
-            DefaultStager(StagingOptions(torch.accelerator.is_available(), False, False, False))
+            DefaultStager(StagingOptions(torch.accelerator.is_available(), False, True, False))
             if cfg.mode == "async" else None
         )
+        self._staging: Future | None = None
         self._deleter = ThreadPoolExecutor(1, thread_name_prefix="checkpoint-retention")
+        # torch.save (inside DCP) computes a CRC-32 of every record that nothing here reads: the
+        # manifest's CRC-32 covers every byte already. Process-wide, since async saves run in a thread.
+        torch.serialization.set_crc32_options(False)
         if cfg.mode == "async" and _no_dist():
             # The upload thread runs outside _single_process_ok(); one process is intended there too.
             warnings.filterwarnings("ignore", message="torch.distributed is disabled")
@@ -134,9 +192,10 @@ class Checkpointer:
     def save(self, step: int, state: dict, info: dict | None = None) -> Path:
         """Write `state` (nested dicts of tensors) as checkpoint `step`.
 
-        Sync mode returns once the checkpoint is committed. Async mode returns once the state is
-        staged (copied aside); the write and the commit finish in the background. Returns the
-        path the checkpoint has (or will have) once committed.
+        Sync mode returns once the checkpoint is committed. Async mode returns at once: the state
+        is copied aside in the background, and the caller must call `wait_staged()` before it
+        next changes the state (the optimizer step); the write and the commit follow in the
+        background. Returns the path the checkpoint has (or will have) once committed.
         """
         self.wait()  # at most one save in flight
         self._last_save = time.monotonic()
@@ -145,22 +204,31 @@ class Checkpointer:
             shutil.rmtree(tmp, ignore_errors=True)  # leftovers of a crash while writing
             tmp.mkdir(parents=True)
         _barrier()  # the directory exists before any rank writes into it
-        writer = dcp.FileSystemWriter(tmp, sync_files=True)
+        writer = _writer(tmp)
         started = time.perf_counter()
         info = dict(info or {})
         with _single_process_ok():
             if self._finisher is None:
                 dcp.save(state, storage_writer=writer, no_dist=_no_dist())
-                self._commit(step, tmp, info, started)
+                self._commit(step, tmp, writer.fs.crcs, info, started)
             else:
-                upload = dcp.async_save(state, storage_writer=writer, async_stager=self._stager,
-                                        no_dist=_no_dist())
-                self._in_flight = self._finisher.submit(self._finish, upload, step, tmp, info, started)
+                response = dcp.async_save(state, storage_writer=writer, async_stager=self._stager,
+                                          no_dist=_no_dist())
+                self._staging, upload = response.staging_completion, response.upload_completion
+                self._in_flight = self._finisher.submit(self._finish, upload, step, tmp, writer.fs.crcs, info,
+                                                        started)
                 self._in_flight_step = step
         return self.root / f"step-{step}"
 
+    def wait_staged(self) -> None:
+        """Block until the save in flight has copied the state aside (a no-op in sync mode)."""
+        if self._staging is not None:
+            staging, self._staging = self._staging, None
+            staging.result()
+
     def wait(self) -> Path | None:
         """Block until the save in flight (async mode) is committed; re-raise its error."""
+        self.wait_staged()
         if self._in_flight is None:
             return None
         future, step = self._in_flight, self._in_flight_step
@@ -172,12 +240,12 @@ class Checkpointer:
     def in_flight(self) -> bool:
         return self._in_flight is not None and not self._in_flight.done()
 
-    def _finish(self, upload: Future, step: int, tmp: Path, info: dict, started: float) -> None:
+    def _finish(self, upload: Future, step: int, tmp: Path, crcs: dict, info: dict, started: float) -> None:
         upload.result()
-        self._commit(step, tmp, info, started)
+        self._commit(step, tmp, crcs, info, started)
 
-    def _commit(self, step: int, tmp: Path, info: dict, started: float) -> None:
-        files = self._checksum_own_files(tmp)
+    def _commit(self, step: int, tmp: Path, crcs: dict[str, str], info: dict, started: float) -> None:
+        files = self._own_files(tmp, crcs)
         if self.world_size > 1:
             atomic_write_json(tmp / _SIDECAR.format(self.rank), files)
             if self.rank != 0:
@@ -201,11 +269,12 @@ class Checkpointer:
         if self.on_commit is not None:
             self.on_commit(step, final, time.perf_counter() - started)
 
-    def _checksum_own_files(self, tmp: Path) -> dict[str, dict]:
+    def _own_files(self, tmp: Path, crcs: dict[str, str]) -> dict[str, dict]:
+        """Size and CRC-32 (noted while writing; read back only if missing) of this rank's files."""
         # DCP names each rank's shard files "__<rank>_<i>.distcp"; rank 0 also writes .metadata.
         own = [p for p in sorted(tmp.iterdir())
                if p.name.startswith(f"__{self.rank}_") or (self.rank == 0 and p.name == ".metadata")]
-        return {p.name: {"size": p.stat().st_size, "crc32": file_crc32(p)} for p in own}
+        return {p.name: {"size": p.stat().st_size, "crc32": crcs.get(p.name) or file_crc32(p)} for p in own}
 
     def _gather_file_lists(self, tmp: Path, timeout_s: float = 600.0) -> dict[str, dict]:
         # DCP's save returns on rank 0 only after every rank has written; their sidecars follow

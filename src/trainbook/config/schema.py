@@ -184,6 +184,10 @@ class TrainConfig(Section):
     """Evaluate on the held-out split every N steps (and at step 0 and the end); 0 disables."""
     eval_steps: int = Field(default=10, ge=1)
     """Validation batches per evaluation."""
+    activation_checkpoint: Literal["none", "full", "selective"] = "none"
+    """Recompute activations in backward: `full` every block, `selective` every other block."""
+    compile: bool = False
+    """Compile each block with `torch.compile` (after tensor parallel, before FSDP)."""
 
     @model_validator(mode="after")
     def _accumulation_divides(self) -> TrainConfig:
@@ -195,10 +199,10 @@ class TrainConfig(Section):
             )
         return self
 
-    @property
-    def grad_accum_steps(self) -> int:
-        per_micro = self.seq_len * self.micro_batch_size
-        return (self.global_batch_tokens or per_micro) // per_micro
+    def grad_accum_steps(self, dp: int = 1) -> int:
+        """Micro-batches per optimizer step on each of `dp` data-parallel ranks."""
+        per_micro = self.seq_len * self.micro_batch_size * dp
+        return max(1, (self.global_batch_tokens or per_micro) // per_micro)
 
 
 class PrecisionConfig(Section):
@@ -207,18 +211,41 @@ class PrecisionConfig(Section):
 
 
 class ParallelConfig(Section):
-    dp_replicate: int = Field(default=1, ge=1)
-    """Data-parallel replicas (DDP / HSDP outer dimension)."""
-    dp_shard: int = Field(default=1, ge=1)
-    """Fully-sharded data parallel degree (FSDP2)."""
-    tp: int = Field(default=1, ge=1)
-    """Tensor-parallel degree."""
-    pp: int = Field(default=1, ge=1)
-    """Pipeline-parallel stages."""
+    """How the world's ranks are laid out: dp_replicate x dp_shard x tp x pp = world size.
 
-    @property
-    def world_size(self) -> int:
-        return self.dp_replicate * self.dp_shard * self.tp * self.pp
+    One degree may be -1: it takes whatever the others leave of the world size.
+    """
+
+    dp_replicate: int = Field(default=1, ge=-1)
+    """Data-parallel replicas: the outer dimension of HSDP, or DDP's degree with `data_parallel = "ddp"`."""
+    dp_shard: int = Field(default=-1, ge=-1)
+    """Fully-sharded data parallel degree (FSDP2); -1 (default): the rest of the world."""
+    tp: int = Field(default=1, ge=-1)
+    """Tensor-parallel degree (with sequence parallel); must divide the heads and KV heads."""
+    pp: int = Field(default=1, ge=-1)
+    """Pipeline-parallel degree (ranks, each holding one or more stages)."""
+    data_parallel: Literal["fsdp", "ddp"] = "fsdp"
+    """`fsdp`: FSDP2 over dp_shard (HSDP when dp_replicate > 1 too); `ddp`: replicate (needs dp_shard = 1)."""
+    pp_schedule: Literal["gpipe", "1f1b", "interleaved1f1b"] = "1f1b"
+    """Pipeline schedule."""
+    pp_microbatches: int | None = Field(default=None, ge=1)
+    """Micro-batches per pipeline pass (each micro-batch of `train.micro_batch_size` is cut into
+    these); unset: the number of stages."""
+    pp_split: list[int] | None = None
+    """Layers per stage, e.g. [3, 3, 2]; unset: stages balanced by parameter count."""
+    pp_stages_per_rank: int = Field(default=1, ge=1)
+    """Stages each pipeline rank holds (`interleaved1f1b` needs >= 2)."""
+    timeout_s: float = Field(default=600.0, gt=0)
+    """Collective timeout: a rank waiting longer than this on a collective fails with its name."""
+
+    @model_validator(mode="after")
+    def _one_rest(self) -> ParallelConfig:
+        degrees = {k: getattr(self, k) for k in ("dp_replicate", "dp_shard", "tp", "pp")}
+        if any(v == 0 for v in degrees.values()):
+            raise ValueError("parallel degrees are >= 1, or -1 for the rest of the world")
+        if sum(v == -1 for v in degrees.values()) > 1:
+            raise ValueError(f"at most one degree may be -1 (the rest of the world); got {degrees}")
+        return self
 
 
 class CheckpointConfig(Section):

@@ -18,6 +18,7 @@ from trainbook.errors import TrainbookError
 from trainbook.model import resolve
 from trainbook.monitor import rewind_metrics
 from trainbook.parallel import pick_device
+from trainbook.parallel.dims import resolve_dims
 from trainbook.atomic import atomic_write_json, atomic_write_text
 from trainbook.runs import capture_env, create_run_dir
 from trainbook.train.trainer import Trainer
@@ -36,11 +37,7 @@ def resolve_config(recipe: Path, overrides: list[str]) -> Config:
             f"{cfg.train.seq_len} is longer than model.max_seq_len = {cfg.model.max_seq_len}",
             where=f"{recipe}: train.seq_len",
         )
-    if cfg.parallel.world_size != 1:
-        raise TrainbookError(
-            f"layout needs {cfg.parallel.world_size} processes; this build trains in one process",
-            where=f"{recipe}: parallel",
-        )
+    resolve_dims(cfg, world_size=1, where=str(recipe))
     return cfg
 
 

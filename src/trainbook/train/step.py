@@ -6,7 +6,7 @@ Reads like the inner loop of nanoGPT's train.py, plus phase timing for the StepR
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -50,7 +50,13 @@ def train_step(
     grad_clip: float,
     precision: Precision,
     device: torch.device,
+    before_update: Callable[[], None] | None = None,
 ) -> StepResult:
+    """Forward and backward over `accum_steps` micro-batches, then clip and step.
+
+    `before_update` runs just before the optimizer changes any state: an async checkpoint still
+    copying the previous step's state waits there, overlapped with this step's compute.
+    """
     phases = {"data": 0.0, "forward": 0.0, "backward": 0.0, "optimizer": 0.0}
     loss_sum = torch.zeros((), device=device)
     for _ in range(accum_steps):
@@ -72,6 +78,8 @@ def train_step(
     # max_norm=inf measures the norm without clipping, so grad_norm is always reported.
     max_norm = grad_clip if grad_clip > 0 else float("inf")
     grad_norm = nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+    if before_update is not None:
+        before_update()
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     phases["optimizer"] = time.perf_counter() - t0

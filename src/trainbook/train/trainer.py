@@ -64,7 +64,7 @@ class Trainer:
         self.tokens = 0
         self.stop_signal: int | None = None  # set by SIGTERM/SIGINT; the loop saves and stops
         t = cfg.train
-        self.tokens_per_step = t.grad_accum_steps * t.micro_batch_size * t.seq_len
+        self.tokens_per_step = t.grad_accum_steps() * t.micro_batch_size * t.seq_len
 
     def _build_train_loader(self, data: Prepared) -> TrainLoader:
         d, t = self.cfg.data, self.cfg.train
@@ -131,8 +131,9 @@ class Trainer:
             group["lr"] = lr
         start = time.perf_counter()
         result = train_step(
-            self.model, self.optimizer, batches, accum_steps=self.cfg.train.grad_accum_steps,
+            self.model, self.optimizer, batches, accum_steps=self.cfg.train.grad_accum_steps(),
             grad_clip=self.cfg.optim.grad_clip, precision=self.precision, device=self.device,
+            before_update=self.checkpointer.wait_staged,
         )
         elapsed = time.perf_counter() - start
         self.step += 1
@@ -151,7 +152,7 @@ class Trainer:
         t, tokens_per_step = self.cfg.train, self.tokens_per_step
         self._message(
             f"run {self.run_dir} | model {self.cfg.model.name}: {num_params(self.model):,} parameters | "
-            f"{t.max_steps} steps x {tokens_per_step:,} tokens ({t.grad_accum_steps} x "
+            f"{t.max_steps} steps x {tokens_per_step:,} tokens ({t.grad_accum_steps()} x "
             f"{t.micro_batch_size} x {t.seq_len}) | device {self.device}"
         )
         if self.step == 0:

@@ -24,7 +24,7 @@ def test_defaults_and_name_from_file(tmp_path):
     assert cfg.train.max_steps == 5
     assert cfg.run.name == "mine"
     assert cfg.optim.lr == 3e-4  # untouched default
-    assert cfg.train.grad_accum_steps == 1
+    assert cfg.train.grad_accum_steps() == 1
 
 
 def test_extends_merges_tables_and_replaces_lists(tmp_path):
@@ -58,7 +58,7 @@ def test_overrides_are_parsed_to_the_field_type(tmp_path):
     assert cfg.model.tie_embeddings is False
     assert cfg.run.name == "abc" and cfg.run.runs_root == "x y"
     assert cfg.precision.dtype == "bf16"
-    assert cfg.train.grad_accum_steps == 4096 // (256 * 8)
+    assert cfg.train.grad_accum_steps() == 4096 // (256 * 8)
     assert cfg.data.sources[0].paths == ["p/*.txt"]
 
 
