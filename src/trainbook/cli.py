@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import signal
 import sys
 from pathlib import Path
@@ -56,6 +57,8 @@ def run(
     resume: Annotated[str, typer.Option(
         help="auto: continue --run-dir from its newest valid checkpoint | never | PATH of a checkpoint or run."
     )] = "auto",
+    nproc: Annotated[int, typer.Option(
+        help="Processes on this machine, started through torch.distributed.run (torchrun).", min=1)] = 1,
 ) -> None:
     """Train a recipe; the run is archived under runs/<name>/<time>-<id>/.
 
@@ -64,7 +67,13 @@ def run(
     from trainbook.train.run import start_run
 
     path, overrides = _recipe_and_overrides(recipe, overrides, _archived_config(run_dir, resume))
+    if nproc > 1:
+        from trainbook.parallel.launch import launch
+
+        raise typer.Exit(launch(nproc, path, overrides, run_dir, resume))
     summary = start_run(path, overrides, run_dir, resume)
+    if os.environ.get("RANK", "0") != "0":
+        return  # rank 0 reports for the run
     loss = f", loss {summary['loss']:.4f}" if summary["loss"] is not None else ""
     val = f", val_loss {summary['val_loss']:.4f}" if summary["val_loss"] is not None else ""
     if summary["stopped_by"]:
@@ -166,15 +175,24 @@ def bench_data(
 
 
 def main() -> None:
+    # Under torchrun every rank runs this; rank 0 alone speaks for the run.
+    speaks = os.environ.get("RANK", "0") == "0"
     try:
         code = app(standalone_mode=False)
     except TrainbookError as e:
-        print(f"trainbook: error: {e}", file=sys.stderr)
-        sys.exit(2)
+        if speaks:
+            print(f"trainbook: error: {e}", file=sys.stderr)
+        code = 2
     except click.ClickException as e:
         e.show()
-        sys.exit(e.exit_code)
+        code = e.exit_code
     except (click.exceptions.Abort, KeyboardInterrupt):
-        print("trainbook: interrupted", file=sys.stderr)
-        sys.exit(130)
-    sys.exit(code if isinstance(code, int) else 0)
+        if speaks:
+            print("trainbook: interrupted", file=sys.stderr)
+        code = 130
+    code = code if isinstance(code, int) else 0
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        # gloo can abort at interpreter exit after all work is done (DESIGN.md): skip the teardown.
+        sys.stdout.flush(), sys.stderr.flush()
+        os._exit(code)
+    sys.exit(code)

@@ -1,7 +1,8 @@
 """Fault points: named places where a test can kill the process with a real SIGKILL.
 
 `TRAINBOOK_FAULT=<point>@<step>` (or just `<point>`, any step) makes `fault_point(point, step)`
-send SIGKILL to its own process at that instant. Crash-safety tests use it to die at exact
+send SIGKILL to its own process at that instant. `TRAINBOOK_FAULT_RANK=<r>` limits it to one
+rank; `TRAINBOOK_FAULT_ACTION=hang` makes that rank stop answering instead (collective timeouts). Crash-safety tests use it to die at exact
 moments (between a checkpoint's manifest and its rename, after a given step, ...) that a signal
 sent from outside could only hit by luck. Unset, it costs one environment lookup.
 """
@@ -10,6 +11,7 @@ from __future__ import annotations
 
 import os
 import signal
+import time
 
 ENV = "TRAINBOOK_FAULT"
 
@@ -19,5 +21,10 @@ def fault_point(point: str, step: int) -> None:
     if not spec:
         return
     name, _, at = spec.partition("@")
-    if name == point and (not at or int(at) == step):
-        os.kill(os.getpid(), signal.SIGKILL)
+    rank = os.environ.get("TRAINBOOK_FAULT_RANK")
+    if name != point or (at and int(at) != step) or (rank is not None and rank != os.environ.get("RANK", "0")):
+        return
+    if os.environ.get("TRAINBOOK_FAULT_ACTION") == "hang":
+        while True:
+            time.sleep(3600)
+    os.kill(os.getpid(), signal.SIGKILL)

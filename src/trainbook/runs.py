@@ -29,12 +29,15 @@ TRACKED_PACKAGES = (
 )
 
 
+def new_run_dir_path(runs_root: str | Path, name: str) -> Path:
+    """runs/<name>/<YYYYmmdd-HHMMSS>-<id>: a fresh name (the directory is not created)."""
+    stamp = dt.datetime.now().strftime("%Y%m%d-%H%M%S")
+    return Path(runs_root) / name / f"{stamp}-{secrets.token_hex(3)}"
+
+
 def create_run_dir(runs_root: str | Path, name: str, run_dir: str | Path | None = None) -> Path:
     """Make a fresh run directory; an existing non-empty one is never written into."""
-    if run_dir is None:
-        stamp = dt.datetime.now().strftime("%Y%m%d-%H%M%S")
-        run_dir = Path(runs_root) / name / f"{stamp}-{secrets.token_hex(3)}"
-    run_dir = Path(run_dir)
+    run_dir = Path(run_dir) if run_dir is not None else new_run_dir_path(runs_root, name)
     if run_dir.exists() and any(run_dir.iterdir()):
         raise TrainbookError(
             "directory is not empty; a run is never started on top of another",

@@ -19,13 +19,15 @@ from trainbook.model import resolve
 from trainbook.monitor import rewind_metrics
 from trainbook.parallel import pick_device
 from trainbook.parallel.dims import resolve_dims
+from trainbook.parallel.runtime import Runtime, env_world_size, start_runtime
 from trainbook.atomic import atomic_write_json, atomic_write_text
 from trainbook.runs import capture_env, create_run_dir
 from trainbook.train.trainer import Trainer
 
 
-def resolve_config(recipe: Path, overrides: list[str]) -> Config:
-    """The recipe after extends and overrides, with the model's registry entry filled in."""
+def resolve_config(recipe: Path, overrides: list[str], world_size: int = 1) -> Config:
+    """The recipe after extends and overrides, with the model's registry entry filled in, checked
+    against the layout of `world_size` ranks (before any process group starts)."""
     cfg = load_config(recipe, overrides)
     try:
         cfg = cfg.model_copy(update={"model": resolve(cfg.model)})
@@ -37,7 +39,7 @@ def resolve_config(recipe: Path, overrides: list[str]) -> Config:
             f"{cfg.train.seq_len} is longer than model.max_seq_len = {cfg.model.max_seq_len}",
             where=f"{recipe}: train.seq_len",
         )
-    resolve_dims(cfg, world_size=1, where=str(recipe))
+    resolve_dims(cfg, world_size, where=str(recipe))
     return cfg
 
 
@@ -59,42 +61,61 @@ def start_run(recipe: Path, overrides: list[str], run_dir: Path | None = None, r
     (a new or empty directory starts fresh), `never` always starts fresh, anything else is the
     path of a checkpoint (or run) to continue from.
     """
-    cfg = resolve_config(recipe, overrides)
-    start = find_resume_point(resume, run_dir)
-    if start is not None:
-        check_compatible(start.manifest, cfg, start.where)
+    world_size = env_world_size()
+    cfg = resolve_config(recipe, overrides, world_size)
+    dims = resolve_dims(cfg, world_size, where=str(recipe))
     device = pick_device(cfg.run.device)
     if cfg.run.threads:
         torch.set_num_threads(cfg.run.threads)
-    data = prepare_data(cfg, recipe)
+    rt = start_runtime(dims, device, cfg.parallel.timeout_s)
+    try:
+        # Rank 0 checks and writes; every rank gets its answer (or its one-line error).
+        start = rt.rank0_first(lambda: find_resume_point(resume, run_dir))
+        if start is not None:
+            check_compatible(start.manifest, cfg, start.where)
+        if rt.distributed:  # rank 0 fills the data cache; the others then read it
+            rt.rank0_first(lambda: prepare_data(cfg, recipe) and None)
+        data = prepare_data(cfg, recipe, log=_quiet if rt.distributed else print)
+        run_dir, dropped, changed = rt.rank0_first(lambda: _open_run_dir(cfg, recipe, run_dir, start, rt, data))
 
+        trainer = Trainer(cfg, run_dir, data, rt)
+        try:
+            if start is not None:
+                trainer.checkpointer.discard_uncommitted(resumed_step=start.manifest["step"])
+                trainer.load_checkpoint(start.path)
+                trainer.record_resume(start.path, skipped=start.skipped, changed=changed,
+                                      dropped_metric_lines=dropped)
+            return trainer.fit()
+        finally:
+            trainer.close()
+    finally:
+        rt.close()
+
+
+def _quiet(*args, **kwargs) -> None:
+    pass
+
+
+def _open_run_dir(cfg: Config, recipe: Path, run_dir: Path | None, start: ResumePoint | None, rt: Runtime,
+                  data: Prepared) -> tuple[Path, int, dict]:
+    """The run directory: the run being continued (metrics rewound), or a new, archived one."""
     if start is not None and start.run_dir is not None and (start.run_dir / "config.resolved.toml").is_file():
-        run_dir = start.run_dir
-        dropped = rewind_metrics(run_dir / "metrics.jsonl", start.manifest["step"])
+        dropped = rewind_metrics(start.run_dir / "metrics.jsonl", start.manifest["step"])
         changed = config_changes(start.manifest["config"], cfg)
         if changed:
-            atomic_write_text(run_dir / "config.resolved.toml", dump_toml(cfg))
-    else:
-        run_dir = create_run_dir(cfg.run.runs_root, cfg.run.name, run_dir if start is None else start.run_dir)
-        _archive(run_dir, recipe, cfg, device, data)
-        dropped, changed = 0, config_changes(start.manifest["config"], cfg) if start else {}
-
-    trainer = Trainer(cfg, run_dir, data, device)
-    try:
-        if start is not None:
-            trainer.checkpointer.discard_uncommitted(resumed_step=start.manifest["step"])
-            trainer.load_checkpoint(start.path)
-            trainer.record_resume(start.path, skipped=start.skipped, changed=changed,
-                                  dropped_metric_lines=dropped)
-        return trainer.fit()
-    finally:
-        trainer.close()
+            atomic_write_text(start.run_dir / "config.resolved.toml", dump_toml(cfg))
+        return start.run_dir, dropped, changed
+    run_dir = create_run_dir(cfg.run.runs_root, cfg.run.name, run_dir if start is None else start.run_dir)
+    _archive(run_dir, recipe, cfg, rt, data)
+    return run_dir, 0, config_changes(start.manifest["config"], cfg) if start else {}
 
 
-def _archive(run_dir: Path, recipe: Path, cfg: Config, device: torch.device, data: Prepared) -> None:
+def _archive(run_dir: Path, recipe: Path, cfg: Config, rt: Runtime, data: Prepared) -> None:
     atomic_write_text(run_dir / "recipe.toml", Path(recipe).read_text(encoding="utf-8"))
     atomic_write_text(run_dir / "config.resolved.toml", dump_toml(cfg))
-    atomic_write_json(run_dir / "env.json", capture_env(world_size=1, device=device), indent=2)
+    env = capture_env(world_size=rt.world_size, device=rt.device)
+    env["parallel"] = rt.dims.sizes()
+    atomic_write_json(run_dir / "env.json", env, indent=2)
     data.tokenizer.save(run_dir / "tokenizer")
 
 

@@ -10,8 +10,10 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from trainbook.data.loader import Batch
 from trainbook.precision import Precision
@@ -51,39 +53,82 @@ def train_step(
     precision: Precision,
     device: torch.device,
     before_update: Callable[[], None] | None = None,
+    forward_backward: Callable[[Batch, int], torch.Tensor | None] | None = None,
+    reduce_loss: Callable[[torch.Tensor], torch.Tensor] = lambda loss: loss,
+    pp_group=None,
+    phase: list[str] | None = None,
 ) -> StepResult:
     """Forward and backward over `accum_steps` micro-batches, then clip and step.
 
     `before_update` runs just before the optimizer changes any state: an async checkpoint still
     copying the previous step's state waits there, overlapped with this step's compute.
+    `forward_backward(batch, accum_steps)` replaces the plain forward + backward (a pipeline
+    schedule; it returns the batch's mean loss on the last stage, None elsewhere). `reduce_loss`
+    turns this rank's mean loss into the global one for the report; `pp_group` adds the other
+    pipeline stages' gradients to the norm. `phase[0]` names what the step is doing, so an error
+    (a collective timing out) can say where it happened.
     """
+    phase = phase if phase is not None else [""]
     phases = {"data": 0.0, "forward": 0.0, "backward": 0.0, "optimizer": 0.0}
     loss_sum = torch.zeros((), device=device)
     for _ in range(accum_steps):
         t0 = time.perf_counter()
+        phase[0] = "data"
         batch = to_device(next(batches), device)
         t1 = time.perf_counter()
-        with precision.autocast():
-            loss = lm_loss(logits_of(model, batch), batch.targets)
-        t2 = time.perf_counter()
-        # Each micro-batch carries 1/accum of the gradient: the sum is the full batch's mean.
-        (loss / accum_steps).backward()
-        t3 = time.perf_counter()
-        loss_sum += loss.detach()
+        if forward_backward is not None:
+            phase[0] = "pipeline forward/backward"
+            loss = forward_backward(batch, accum_steps)
+            t2 = t3 = time.perf_counter()
+            phases["forward"] += t2 - t1  # a schedule interleaves both: reported as forward
+        else:
+            phase[0] = "forward"
+            with precision.autocast():
+                loss = lm_loss(logits_of(model, batch), batch.targets)
+            t2 = time.perf_counter()
+            phase[0] = "backward"
+            # Each micro-batch carries 1/accum of the gradient: the sum is the full batch's mean.
+            (loss / accum_steps).backward()
+            t3 = time.perf_counter()
+            phases["forward"] += t2 - t1
+            phases["backward"] += t3 - t2
+        if loss is not None:
+            loss_sum += loss.detach()
         phases["data"] += t1 - t0
-        phases["forward"] += t2 - t1
-        phases["backward"] += t3 - t2
 
     t0 = time.perf_counter()
+    phase[0] = "gradient norm"
     # max_norm=inf measures the norm without clipping, so grad_norm is always reported.
-    max_norm = grad_clip if grad_clip > 0 else float("inf")
-    grad_norm = nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+    grad_norm = clip_grad_norm(list(model.parameters()), grad_clip if grad_clip > 0 else float("inf"), pp_group)
     if before_update is not None:
+        phase[0] = "waiting for the checkpoint copy"
         before_update()
+    phase[0] = "optimizer"
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     phases["optimizer"] = time.perf_counter() - t0
-    return StepResult(loss=(loss_sum / accum_steps).item(), grad_norm=grad_norm.item(), phases=phases)
+    phase[0] = "loss report"
+    loss = reduce_loss(loss_sum / accum_steps)
+    return StepResult(loss=loss.item(), grad_norm=grad_norm.item(), phases=phases)
+
+
+def clip_grad_norm(params: list[nn.Parameter], max_norm: float, pp_group=None) -> torch.Tensor:
+    """Clip to the global gradient norm; the norm over every shard, rank and stage.
+
+    In one process this is exactly `nn.utils.clip_grad_norm_`. Sharded gradients (FSDP, TP) are
+    DTensors whose norm DTensor reduces over their mesh; pipeline stages hold disjoint
+    parameters, so their squared norms are summed across the stages.
+    """
+    grads = [p.grad for p in params if p.grad is not None]
+    norm = nn.utils.get_total_norm(grads)
+    if isinstance(norm, DTensor):
+        norm = norm.full_tensor()
+    if pp_group is not None:
+        norm = norm.square()
+        dist.all_reduce(norm, group=pp_group)
+        norm = norm.sqrt()
+    nn.utils.clip_grads_with_norm_(params, max_norm, norm)
+    return norm
 
 
 @torch.no_grad()

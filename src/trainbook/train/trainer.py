@@ -28,12 +28,16 @@ from trainbook.monitor import (
     EvalReport, EventLog, LogLines, MetricsFile, StepReport, close_run_logger, console_monitor,
     setup_run_logger,
 )
+from trainbook.errors import TrainbookError
+from trainbook.parallel.apply import parallelize
 from trainbook.parallel.device import peak_memory_bytes
+from trainbook.parallel.dims import ParallelDims, resolve_dims
+from trainbook.parallel.runtime import Runtime
 from trainbook.precision import Precision
 from trainbook.train.optim import build_optimizer, load_optimizer_state, optimizer_state, optimizer_state_like
 from trainbook.train.rng import rng_state, set_rng_state
 from trainbook.train.schedule import LRSchedule
-from trainbook.train.step import evaluate, train_step
+from trainbook.train.step import evaluate, lm_loss, train_step
 
 
 def seed_everything(seed: int) -> None:
@@ -43,37 +47,52 @@ def seed_everything(seed: int) -> None:
 
 
 class Trainer:
-    def __init__(self, cfg: Config, run_dir: Path, data: Prepared, device: torch.device):
+    def __init__(self, cfg: Config, run_dir: Path, data: Prepared, device: torch.device | Runtime):
         self.cfg = cfg
-        self.device = device
+        self.rt = device if isinstance(device, Runtime) else Runtime(0, 1, resolve_dims(cfg, 1, "recipe"), device)
+        self.device = self.rt.device
+        self.rank = self.rt.rank
         self.run_dir = Path(run_dir)
         seed_everything(cfg.run.seed)
-        self.model = build_model(cfg.model, device, seed=cfg.run.seed)
+        self.model, self.pipeline = self._build_model()
         self.optimizer = build_optimizer(self.model, cfg.optim)
         self.schedule = LRSchedule(cfg.schedule, cfg.optim.lr, cfg.train.max_steps)
-        self.precision = Precision(cfg.precision, device)
+        self.precision = Precision(cfg.precision, self.device)
         self.train_loader = self._build_train_loader(data)
         self.val_batches = self._build_val_batches(data)
         self.logger, self.events, self.monitors = self._build_monitors()
         self.checkpointer = Checkpointer(
-            self.run_dir / "checkpoints", cfg.checkpoint, describe=checkpoint_description(cfg),
-            on_commit=self._on_checkpoint_committed,
+            self.run_dir / "checkpoints", cfg.checkpoint, rank=self.rank, world_size=self.rt.world_size,
+            describe=checkpoint_description(cfg, self.rt.dims), on_commit=self._on_checkpoint_committed,
         )
-        self.rank = 0
         self.step = 0
         self.tokens = 0
         self.stop_signal: int | None = None  # set by SIGTERM/SIGINT; the loop saves and stops
-        t = cfg.train
-        self.tokens_per_step = t.grad_accum_steps() * t.micro_batch_size * t.seq_len
+        self.phase = [""]  # what the current step is doing (named when a collective times out)
+        t, dp = cfg.train, self.rt.dims.dp
+        self.accum_steps = t.grad_accum_steps(dp)
+        self.tokens_per_step = self.accum_steps * t.micro_batch_size * t.seq_len * dp  # all ranks
+
+    def _build_model(self):
+        """The full model on every rank (same seed, same init), then this rank's part of it."""
+        model = build_model(self.cfg.model, self.device, seed=self.cfg.run.seed)
+        if self.rt.dims.pp > 1:
+            from trainbook.parallel.pipeline import build_pipeline
+
+            pipeline = build_pipeline(model, self.rt, self.cfg, lm_loss)
+            return pipeline.module, pipeline
+        return parallelize(model, self.rt.dims, self.rt.mesh, self.cfg), None
 
     def _build_train_loader(self, data: Prepared) -> TrainLoader:
         d, t = self.cfg.data, self.cfg.train
         # Unset pin_memory: pin when batches go to an accelerator (faster async copies).
         pin = d.pin_memory if d.pin_memory is not None else self.device.type != "cpu"
+        # Each data-parallel rank reads its own slice; tp and pp ranks of one replica read the same.
         return TrainLoader(
             data.train, {s.name: s.weight for s in d.sources}, t.seq_len, t.micro_batch_size,
-            seed=self.cfg.run.seed, packing=d.packing, eos_id=data.tokenizer.eos_id,
-            num_workers=d.num_workers, pin_memory=pin, on_reepoch=self._on_reepoch,
+            seed=self.cfg.run.seed, rank=self.rt.dp_rank, world_size=self.rt.dims.dp, packing=d.packing,
+            eos_id=data.tokenizer.eos_id, num_workers=d.num_workers, pin_memory=pin,
+            on_reepoch=self._on_reepoch,
         )
 
     def _on_reepoch(self, source: str, epoch: int) -> None:
@@ -88,8 +107,12 @@ class Trainer:
                                 self.cfg.data.packing, eos_id=data.tokenizer.eos_id))
 
     def _build_monitors(self) -> tuple[logging.Logger, EventLog, list]:
+        """Rank 0 writes the run's records and the console; every rank keeps its own log file."""
         log, max_steps = self.cfg.log, self.cfg.train.max_steps
-        logger = setup_run_logger(self.run_dir / "logs", rank=0, level=log.level, retention_days=log.retention_days)
+        logger = setup_run_logger(self.run_dir / "logs", rank=self.rank, level=log.level,
+                                  retention_days=log.retention_days)
+        if not self.rt.is_main:
+            return logger, NoEvents(), [LogLines(logger, log.every_steps, max_steps)]
         events = EventLog(self.run_dir / "events.jsonl")
         monitors = [
             MetricsFile(self.run_dir / "metrics.jsonl", log.every_steps, max_steps),
@@ -130,11 +153,19 @@ class Trainer:
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         start = time.perf_counter()
-        result = train_step(
-            self.model, self.optimizer, batches, accum_steps=self.cfg.train.grad_accum_steps(),
-            grad_clip=self.cfg.optim.grad_clip, precision=self.precision, device=self.device,
-            before_update=self.checkpointer.wait_staged,
-        )
+        dims = self.rt.dims
+        try:
+            result = train_step(
+                self.model, self.optimizer, batches, accum_steps=self.accum_steps,
+                grad_clip=self.cfg.optim.grad_clip, precision=self.precision, device=self.device,
+                before_update=self.checkpointer.wait_staged,
+                forward_backward=self.pipeline.forward_backward if self.pipeline else None,
+                # tp ranks hold copies of one replica's loss, pp ranks but the last hold none.
+                reduce_loss=lambda loss: self.rt.all_reduce_mean(loss, over=dims.dp * dims.tp),
+                pp_group=self.rt.mesh["pp"].get_group() if dims.pp > 1 else None, phase=self.phase,
+            )
+        except RuntimeError as e:
+            raise self._explain(e) from e
         elapsed = time.perf_counter() - start
         self.step += 1
         self.tokens += self.tokens_per_step
@@ -148,18 +179,40 @@ class Trainer:
             monitor.on_step(report)
         return report
 
+    def _explain(self, error: RuntimeError) -> Exception:
+        """A collective that timed out becomes one line naming the rank and what it waited for."""
+        if "timed out" not in str(error).lower() and "timeout" not in str(error).lower():
+            return error
+        waits = {
+            "forward": "FSDP parameter all-gather / tensor-parallel collectives",
+            "backward": "gradient reduce-scatter / all-reduce / tensor-parallel collectives",
+            "pipeline forward/backward": "pipeline send/recv between stages",
+            "gradient norm": "all-reduce of the gradient norm",
+            "loss report": "all-reduce of the loss",
+        }
+        what = waits.get(self.phase[0], self.phase[0])
+        return TrainbookError(
+            f"rank {self.rank}: a collective timed out after {self.cfg.parallel.timeout_s:g} s in step "
+            f"{self.step + 1}, {self.phase[0]} ({what}); another rank is stuck or gone: see its log",
+            where="parallel.timeout_s",
+        )
+
     def _announce(self) -> None:
-        t, tokens_per_step = self.cfg.train, self.tokens_per_step
+        t, tokens_per_step, dims = self.cfg.train, self.tokens_per_step, self.rt.dims
+        layout = " x ".join(f"{k} {v}" for k, v in dims.sizes().items() if v > 1) or "one process"
         self._message(
-            f"run {self.run_dir} | model {self.cfg.model.name}: {num_params(self.model):,} parameters | "
-            f"{t.max_steps} steps x {tokens_per_step:,} tokens ({t.grad_accum_steps()} x "
-            f"{t.micro_batch_size} x {t.seq_len}) | device {self.device}"
+            f"run {self.run_dir} | model {self.cfg.model.name}: {num_params(self.model):,} parameters "
+            f"(this rank) | {t.max_steps} steps x {tokens_per_step:,} tokens ({self.accum_steps} x "
+            f"{t.micro_batch_size} x {t.seq_len} x {dims.dp} dp) | {layout} | device {self.device}"
         )
         if self.step == 0:
             self.events.emit("start", self.step, tokens_per_step=tokens_per_step)
 
     def _evaluate(self) -> float:
-        val_loss = evaluate(self.model, self.val_batches, self.precision, self.device)
+        if self.pipeline is not None:
+            val_loss = self.pipeline.evaluate(self.val_batches, self.precision)
+        else:
+            val_loss = evaluate(self.model, self.val_batches, self.precision, self.device)
         report = EvalReport(step=self.step, val_loss=val_loss, time=time.time())
         for monitor in self.monitors:
             monitor.on_eval(report)
@@ -256,12 +309,22 @@ class Trainer:
         close_run_logger(self.logger)
 
 
-def checkpoint_description(cfg: Config) -> dict:
+class NoEvents:
+    """events.jsonl is rank 0's; the other ranks' events go nowhere."""
+
+    def emit(self, kind: str, step: int, **fields) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+def checkpoint_description(cfg: Config, dims: ParallelDims) -> dict:
     """What every manifest says about the run that wrote it (compatibility checks read it)."""
     text = dump_toml(cfg)
     return {
         "config_sha256": hashlib.sha256(text.encode()).hexdigest(),
         "config": cfg.model_dump(mode="json"),
-        "parallel": cfg.parallel.model_dump(mode="json"),
+        "parallel": dims.sizes(),
         "versions": {"trainbook": trainbook.__version__, "torch": torch.__version__},
     }

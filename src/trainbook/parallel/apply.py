@@ -1,0 +1,142 @@
+"""Apply a parallel layout to an unchanged model, from outside, in one function.
+
+The order matters and is fixed:
+1. tensor parallel (+ sequence parallel): it swaps parameters for DTensors sharded over `tp`, which
+   every later step must see as they will be at run time;
+2. activation checkpointing: it wraps each block's forward, so it recomputes the tensor-parallel
+   forward including its collectives;
+3. torch.compile per block: it traces the block as checkpointed and tensor-parallel, and stops at
+   block boundaries, where FSDP's hooks run;
+4. data parallel last: FSDP2 `fully_shard` per block and then the root (or DDP `replicate`), so it
+   shards whatever parameters TP left, over the data-parallel dimensions only.
+Module paths never change (no wrapper modules), so checkpoints and optimizer state keep the names
+of the single-device model.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+from torch import nn
+from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel, PrepareModuleInput, RowwiseParallel, SequenceParallel, parallelize_module,
+)
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
+
+from trainbook.config import Config
+from trainbook.parallel.dims import ParallelDims
+
+# Ops whose outputs selective checkpointing keeps: matmuls and attention are expensive to
+# recompute; norms, activations and elementwise ops are cheap and recomputed.
+_SAVE_OPS = {
+    torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default,
+    torch.ops.aten._scaled_dot_product_flash_attention.default,
+    torch.ops.aten._scaled_dot_product_efficient_attention.default,
+    torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default,
+}
+
+
+def parallelize(model: nn.Module, dims: ParallelDims, mesh, cfg: Config) -> nn.Module:
+    """Apply TP, activation checkpointing, compile and data parallel (in that order) in place."""
+    if dims.tp > 1:
+        apply_tp(model, mesh["tp"])
+    if cfg.train.activation_checkpoint != "none":
+        for block in model.layers.values():
+            checkpoint_block(block, selective=cfg.train.activation_checkpoint == "selective")
+    if cfg.train.compile:
+        for block in model.layers.values():
+            block.compile()
+    if dims.dp > 1:
+        if cfg.parallel.data_parallel == "ddp":
+            from torch.distributed._composable import replicate
+
+            replicate(model, device_mesh=mesh["dp_replicate"])
+        else:
+            apply_fsdp(model, dp_mesh(mesh, dims), cfg)
+    return model
+
+
+def dp_mesh(mesh, dims: ParallelDims):
+    """FSDP's mesh: 2-D (replicate, shard) for HSDP, else just the sharded dimension."""
+    return mesh["dp_replicate", "dp_shard"] if dims.dp_replicate > 1 else mesh["dp_shard"]
+
+
+def tp_plan(model: nn.Module) -> dict[str, object]:
+    """Tensor-parallel styles keyed by module path (sequence parallel between the blocks).
+
+    Between blocks the residual stream is sharded along the sequence (Shard(1)); each attention
+    and feed-forward gathers it, splits heads / hidden units column-wise, and reduce-scatters back.
+    The output head gathers the sequence and returns full logits on every tp rank.
+    """
+    plan: dict[str, object] = {
+        "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
+        "norm": SequenceParallel(),
+        "output": ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate()),
+    }
+    for name in model.layers:
+        p = f"layers.{name}"
+        plan.update({
+            f"{p}.attention_norm": SequenceParallel(),
+            f"{p}.attention": PrepareModuleInput(input_layouts=(Shard(1), None, None, None),
+                                                 desired_input_layouts=(Replicate(), None, None, None)),
+            f"{p}.attention.wq": ColwiseParallel(),
+            f"{p}.attention.wk": ColwiseParallel(),
+            f"{p}.attention.wv": ColwiseParallel(),
+            f"{p}.attention.wo": RowwiseParallel(output_layouts=Shard(1)),
+            f"{p}.ffn_norm": SequenceParallel(),
+            f"{p}.feed_forward": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
+            f"{p}.feed_forward.w1": ColwiseParallel(),
+            f"{p}.feed_forward.w3": ColwiseParallel(),
+            f"{p}.feed_forward.w2": RowwiseParallel(output_layouts=Shard(1)),
+        })
+    return {path: style for path, style in plan.items() if _has_module(model, path)}
+
+
+def _has_module(model: nn.Module, path: str) -> bool:
+    try:
+        return model.get_submodule(path) is not None
+    except AttributeError:
+        return False
+
+
+def apply_tp(model: nn.Module, tp_mesh) -> None:
+    tied = getattr(model, "output", None) is not None and model.tok_embeddings is not None and (
+        model.output.weight is model.tok_embeddings.weight)
+    parallelize_module(model, tp_mesh, tp_plan(model))
+    if tied:
+        # TP replaces each module's parameter with its own DTensor; both are Shard(0) over the
+        # vocabulary, so the tie is restored by sharing the embedding's.
+        model.output.weight = model.tok_embeddings.weight
+
+
+def checkpoint_block(block: nn.Module, selective: bool) -> None:
+    """Recompute the block's activations in backward (selective: all but matmul/attention outputs)."""
+    forward = block.forward
+    context_fn = functools.partial(create_selective_checkpoint_contexts, _save_policy) if selective else None
+    kwargs = {"context_fn": context_fn} if context_fn else {}
+
+    @functools.wraps(forward)
+    def checkpointed(*args, **kw):
+        return checkpoint(forward, *args, use_reentrant=False, **kwargs, **kw)
+
+    block.forward = checkpointed
+
+
+def _save_policy(ctx, op, *args, **kwargs):
+    return CheckpointPolicy.MUST_SAVE if op in _SAVE_OPS else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def apply_fsdp(model: nn.Module, mesh, cfg: Config) -> None:
+    """FSDP2 per block, then the root (embeddings, final norm, output head)."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    # bf16 compute with fp32 master weights; gradients reduced in fp32.
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) \
+        if cfg.precision.dtype == "bf16" else MixedPrecisionPolicy()
+    blocks = list(model.layers.values())
+    for i, block in enumerate(blocks):
+        # The last block's parameters are needed again at once by backward: keep them gathered.
+        fully_shard(block, mesh=mesh, mp_policy=mp, reshard_after_forward=i < len(blocks) - 1)
+    fully_shard(model, mesh=mesh, mp_policy=mp)

@@ -1,0 +1,110 @@
+"""The process group of one run: started from torchrun's environment, one backend per device kind.
+
+One process (no torchrun, WORLD_SIZE unset or 1) starts no process group at all: every collective
+helper here is then a no-op, and training is exactly the single-device loop.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+import torch
+import torch.distributed as dist
+
+from trainbook.errors import TrainbookError
+from trainbook.parallel.dims import ParallelDims
+
+# gloo on CPU, NCCL on CUDA, HCCL on Ascend (registered by torch_npu; see parallel/npu.py).
+BACKENDS = {"cpu": "gloo", "cuda": "nccl", "npu": "hccl"}
+
+T = TypeVar("T")
+
+
+def env_world_size() -> int:
+    """The world size torchrun set for this process (1 when started directly)."""
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+@dataclass
+class Runtime:
+    """Where this process sits: rank, layout, mesh (None in one process), device."""
+
+    rank: int
+    world_size: int
+    dims: ParallelDims
+    device: torch.device
+    mesh: Any = None
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def distributed(self) -> bool:
+        return self.world_size > 1
+
+    @property
+    def dp_rank(self) -> int:
+        return self.dims.dp_rank(self.rank)
+
+    @property
+    def pp_rank(self) -> int:
+        return self.dims.coordinate(self.rank)["pp"]
+
+    def all_reduce_mean(self, value: torch.Tensor, over: int) -> torch.Tensor:
+        """Sum over all ranks divided by `over` (ranks holding a copy of the same quantity)."""
+        if not self.distributed:
+            return value
+        value = value.detach().clone()
+        dist.all_reduce(value)
+        return value / over
+
+    def rank0_first(self, fn: Callable[[], T]) -> T:
+        """Run `fn` on rank 0, share its result (or its user error) with every rank.
+
+        For work that must happen once (creating the run directory, preparing data into a
+        shared cache): the other ranks never race rank 0, and a bad input fails on all ranks
+        with the same one-line error instead of leaving them waiting.
+        """
+        if not self.distributed:
+            return fn()
+        box: list[Any] = [None]
+        if self.is_main:
+            try:
+                box[0] = ("ok", fn())
+            except TrainbookError as e:
+                box[0] = ("error", e.message, e.where)
+        dist.broadcast_object_list(box, src=0)
+        if box[0][0] == "error":
+            raise TrainbookError(box[0][1], where=box[0][2])
+        return box[0][1]
+
+    def barrier(self) -> None:
+        if self.distributed:
+            dist.barrier()
+
+    def close(self) -> None:
+        if self.distributed and dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def start_runtime(dims: ParallelDims, device: torch.device, timeout_s: float) -> Runtime:
+    """Join torchrun's process group (if any) and build the device mesh."""
+    world_size = env_world_size()
+    if world_size == 1:
+        return Runtime(0, 1, dims, device)
+    if device.type != "cpu":
+        # One accelerator per process: the local rank picks it.
+        device = torch.device(device.type, int(os.environ.get("LOCAL_RANK", "0")))
+        getattr(torch, device.type).set_device(device)
+    if device.type == "npu":
+        from trainbook.parallel import npu
+
+        npu.register()
+    dist.init_process_group(BACKENDS[device.type], timeout=dt.timedelta(seconds=timeout_s))
+    rank = dist.get_rank()
+    return Runtime(rank, world_size, dims, device, mesh=dims.build_mesh(device.type))
