@@ -99,7 +99,9 @@ class Llama(nn.Module):
         # (B, T, dim); a later pipeline stage receives hidden states already.
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
         if positions is None:
-            cos, sin = self.rope_cos[:seq_len], self.rope_sin[:seq_len]  # (T, head_dim / 2)
+            # The whole table: each attention cuts it to its own (gathered) sequence length, since
+            # a later pipeline stage under sequence parallel receives a shard of the sequence here.
+            cos, sin = self.rope_cos, self.rope_sin  # (max_seq_len, head_dim / 2)
             mask = None
         else:
             cos, sin = self.rope_cos[positions], self.rope_sin[positions]  # (B, T, head_dim / 2)
@@ -170,6 +172,8 @@ class Attention(nn.Module):
         q = self.wq(x).view(bsz, seq_len, -1, self.head_dim)  # (B, T, n_heads, head_dim)
         k = self.wk(x).view(bsz, seq_len, -1, self.head_dim)  # (B, T, n_kv_heads, head_dim)
         v = self.wv(x).view(bsz, seq_len, -1, self.head_dim)  # (B, T, n_kv_heads, head_dim)
+        if cos.dim() == 2:  # one table for every sequence: positions 0..T-1
+            cos, sin = cos[:seq_len], sin[:seq_len]  # (T, head_dim / 2)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # (B, heads, T, head_dim)
         # enable_gqa shares each kv head with its query group inside the kernel instead of

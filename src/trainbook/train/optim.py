@@ -8,10 +8,15 @@ from torch import nn
 from trainbook.config import OptimConfig
 
 
-def param_groups(model: nn.Module, decay_all: bool) -> list[dict]:
-    """Split trainable parameters by role, found from module types, never from names."""
+def param_groups(model: nn.Module, decay_all: bool, embeddings: tuple = ()) -> list[dict]:
+    """Split trainable parameters by role, found from module types, never from names.
+
+    `embeddings`: parameters that are embeddings without an nn.Embedding module around them (a
+    pipeline's last-stage copy of a tied embedding is the output head's weight).
+    """
     no_decay_ids = set()
     if not decay_all:
+        no_decay_ids.update(id(p) for p in embeddings)
         for module in model.modules():
             if isinstance(module, nn.Embedding):
                 no_decay_ids.update(id(p) for p in module.parameters(recurse=False))
@@ -24,8 +29,8 @@ def param_groups(model: nn.Module, decay_all: bool) -> list[dict]:
     return [{"params": decay, "use_decay": True}, {"params": no_decay, "use_decay": False}]
 
 
-def build_optimizer(model: nn.Module, cfg: OptimConfig) -> torch.optim.AdamW:
-    groups = param_groups(model, cfg.decay_norms_and_embeddings)
+def build_optimizer(model: nn.Module, cfg: OptimConfig, embeddings: tuple = ()) -> torch.optim.AdamW:
+    groups = param_groups(model, cfg.decay_norms_and_embeddings, embeddings)
     for group in groups:
         group["weight_decay"] = cfg.weight_decay if group.pop("use_decay") else 0.0
     return torch.optim.AdamW(

@@ -10,7 +10,6 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor
@@ -55,7 +54,7 @@ def train_step(
     before_update: Callable[[], None] | None = None,
     forward_backward: Callable[[Batch, int], torch.Tensor | None] | None = None,
     reduce_loss: Callable[[torch.Tensor], torch.Tensor] = lambda loss: loss,
-    pp_group=None,
+    clip_grad: Callable[[float], torch.Tensor] | None = None,
     phase: list[str] | None = None,
 ) -> StepResult:
     """Forward and backward over `accum_steps` micro-batches, then clip and step.
@@ -64,8 +63,8 @@ def train_step(
     copying the previous step's state waits there, overlapped with this step's compute.
     `forward_backward(batch, accum_steps)` replaces the plain forward + backward (a pipeline
     schedule; it returns the batch's mean loss on the last stage, None elsewhere). `reduce_loss`
-    turns this rank's mean loss into the global one for the report; `pp_group` adds the other
-    pipeline stages' gradients to the norm. `phase[0]` names what the step is doing, so an error
+    turns this rank's mean loss into the global one for the report; `clip_grad(max_norm)`
+    replaces the clipping (a pipeline's norm spans its stages). `phase[0]` names what the step is doing, so an error
     (a collective timing out) can say where it happened.
     """
     phase = phase if phase is not None else [""]
@@ -99,7 +98,8 @@ def train_step(
     t0 = time.perf_counter()
     phase[0] = "gradient norm"
     # max_norm=inf measures the norm without clipping, so grad_norm is always reported.
-    grad_norm = clip_grad_norm(list(model.parameters()), grad_clip if grad_clip > 0 else float("inf"), pp_group)
+    max_norm = grad_clip if grad_clip > 0 else float("inf")
+    grad_norm = clip_grad(max_norm) if clip_grad else clip_grad_norm(list(model.parameters()), max_norm)
     if before_update is not None:
         phase[0] = "waiting for the checkpoint copy"
         before_update()
@@ -112,21 +112,16 @@ def train_step(
     return StepResult(loss=loss.item(), grad_norm=grad_norm.item(), phases=phases)
 
 
-def clip_grad_norm(params: list[nn.Parameter], max_norm: float, pp_group=None) -> torch.Tensor:
-    """Clip to the global gradient norm; the norm over every shard, rank and stage.
+def clip_grad_norm(params: list[nn.Parameter], max_norm: float) -> torch.Tensor:
+    """Clip to the global gradient norm, the norm over every shard and rank.
 
     In one process this is exactly `nn.utils.clip_grad_norm_`. Sharded gradients (FSDP, TP) are
-    DTensors whose norm DTensor reduces over their mesh; pipeline stages hold disjoint
-    parameters, so their squared norms are summed across the stages.
+    DTensors whose norm DTensor reduces over their mesh.
     """
     grads = [p.grad for p in params if p.grad is not None]
     norm = nn.utils.get_total_norm(grads)
     if isinstance(norm, DTensor):
         norm = norm.full_tensor()
-    if pp_group is not None:
-        norm = norm.square()
-        dist.all_reduce(norm, group=pp_group)
-        norm = norm.sqrt()
     nn.utils.clip_grads_with_norm_(params, max_norm, norm)
     return norm
 

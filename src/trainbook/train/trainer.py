@@ -37,7 +37,7 @@ from trainbook.precision import Precision
 from trainbook.train.optim import build_optimizer, load_optimizer_state, optimizer_state, optimizer_state_like
 from trainbook.train.rng import rng_state, set_rng_state
 from trainbook.train.schedule import LRSchedule
-from trainbook.train.step import evaluate, lm_loss, train_step
+from trainbook.train.step import evaluate, lm_loss, to_device, train_step
 
 
 def seed_everything(seed: int) -> None:
@@ -55,7 +55,8 @@ class Trainer:
         self.run_dir = Path(run_dir)
         seed_everything(cfg.run.seed)
         self.model, self.pipeline = self._build_model()
-        self.optimizer = build_optimizer(self.model, cfg.optim)
+        tied = self.pipeline.tied_weight() if self.pipeline else None  # a tied copy is an embedding
+        self.optimizer = build_optimizer(self.model, cfg.optim, embeddings=(tied,) if tied is not None else ())
         self.schedule = LRSchedule(cfg.schedule, cfg.optim.lr, cfg.train.max_steps)
         self.precision = Precision(cfg.precision, self.device)
         self.train_loader = self._build_train_loader(data)
@@ -76,12 +77,20 @@ class Trainer:
     def _build_model(self):
         """The full model on every rank (same seed, same init), then this rank's part of it."""
         model = build_model(self.cfg.model, self.device, seed=self.cfg.run.seed)
-        if self.rt.dims.pp > 1:
-            from trainbook.parallel.pipeline import build_pipeline
+        rt = self.rt
+        if rt.dims.pp > 1:
+            from trainbook.parallel.pipeline import StageGroup, build_pipeline
 
-            pipeline = build_pipeline(model, self.rt, self.cfg, lm_loss)
-            return pipeline.module, pipeline
-        return parallelize(model, self.rt.dims, self.rt.mesh, self.cfg), None
+            pipeline = build_pipeline(
+                model, rt.dims, rt.mesh["pp"], rt.pp_rank, self.cfg, self.device, lm_loss,
+                parallelize_stage=lambda stage: parallelize(stage, rt.dims, rt.mesh, self.cfg),
+            )
+            return StageGroup(pipeline.modules), pipeline
+        return parallelize(model, rt.dims, rt.mesh, self.cfg), None
+
+    def _pipeline_pass(self, batch, accum_steps: int) -> torch.Tensor | None:
+        with self.precision.autocast():
+            return self.pipeline.step(batch.inputs, batch.targets, accum_steps)
 
     def _build_train_loader(self, data: Prepared) -> TrainLoader:
         d, t = self.cfg.data, self.cfg.train
@@ -159,10 +168,10 @@ class Trainer:
                 self.model, self.optimizer, batches, accum_steps=self.accum_steps,
                 grad_clip=self.cfg.optim.grad_clip, precision=self.precision, device=self.device,
                 before_update=self.checkpointer.wait_staged,
-                forward_backward=self.pipeline.forward_backward if self.pipeline else None,
+                forward_backward=self._pipeline_pass if self.pipeline else None,
                 # tp ranks hold copies of one replica's loss, pp ranks but the last hold none.
                 reduce_loss=lambda loss: self.rt.all_reduce_mean(loss, over=dims.dp * dims.tp),
-                pp_group=self.rt.mesh["pp"].get_group() if dims.pp > 1 else None, phase=self.phase,
+                clip_grad=self.pipeline.clip_grad_norm_ if self.pipeline else None, phase=self.phase,
             )
         except RuntimeError as e:
             raise self._explain(e) from e
@@ -210,13 +219,23 @@ class Trainer:
 
     def _evaluate(self) -> float:
         if self.pipeline is not None:
-            val_loss = self.pipeline.evaluate(self.val_batches, self.precision)
+            val_loss = self._pipeline_evaluate()
         else:
             val_loss = evaluate(self.model, self.val_batches, self.precision, self.device)
         report = EvalReport(step=self.step, val_loss=val_loss, time=time.time())
         for monitor in self.monitors:
             monitor.on_eval(report)
         return val_loss
+
+    def _pipeline_evaluate(self) -> float:
+        total = torch.zeros((), device=self.device)
+        for batch in self.val_batches:
+            batch = to_device(batch, self.device)
+            with self.precision.autocast():
+                loss = self.pipeline.eval_loss(batch.inputs, batch.targets)
+            total += loss if loss is not None else 0.0
+        dims = self.rt.dims  # the last stage's sum, the same on every replica
+        return self.rt.all_reduce_mean(total, over=dims.dp * dims.tp).item() / len(self.val_batches)
 
     # ---- checkpoints, resume, signals ----------------------------------------------------
 
