@@ -174,6 +174,22 @@ def bench_data(
     typer.echo(result.verdict())
 
 
+@bench_app.command("comm")
+def bench_comm(
+    nproc: Annotated[int, typer.Option(help="Ranks on this machine.", min=1)] = 2,
+    max_bytes: Annotated[str, typer.Option(help="Largest message (e.g. 64MiB).")] = "64MiB",
+    iters: Annotated[int, typer.Option(help="Timed iterations per size.", min=1)] = 20,
+) -> None:
+    """All-reduce, all-gather and reduce-scatter bus bandwidth over message sizes (torchrun workers)."""
+    from trainbook.parallel.comm_bench import bench_comm_command, parse_bytes
+
+    try:
+        size = parse_bytes(max_bytes)
+    except ValueError as e:
+        raise TrainbookError(str(e), where="--max-bytes") from None
+    typer.echo(bench_comm_command(nproc, size, iters))
+
+
 def main() -> None:
     # Under torchrun every rank runs this; rank 0 alone speaks for the run.
     speaks = os.environ.get("RANK", "0") == "0"

@@ -28,17 +28,18 @@ def max_processes(device: torch.device) -> int:
 
 
 def launch(nproc: int, recipe: Path, overrides: list[str], run_dir: Path | None, resume: str) -> int:
+    from trainbook.config import load_config
     from trainbook.parallel.device import pick_device
     from trainbook.runs import new_run_dir_path
     from trainbook.train.run import check_compatible, find_resume_point, prepare_data, resolve_config
 
     if "LOCAL_RANK" in os.environ:
         raise TrainbookError("already running under torchrun; drop --nproc", where="--nproc")
-    cfg = resolve_config(recipe, overrides, world_size=nproc)
-    device = pick_device(cfg.run.device)
+    device = pick_device(load_config(recipe, overrides).run.device)
     if nproc > max_processes(device):
         raise TrainbookError(f"{nproc} processes, but this machine allows {max_processes(device)} on "
                              f"{device.type} (one per accelerator, 4 per CPU core)", where="--nproc")
+    cfg = resolve_config(recipe, overrides, world_size=nproc)
     start = find_resume_point(resume, run_dir)
     if start is not None:
         check_compatible(start.manifest, cfg, start.where)

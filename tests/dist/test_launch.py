@@ -1,0 +1,90 @@
+"""Launching: layout errors before any process starts, two torchrun "nodes", collective timeouts."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import PLAY, run_cli, write_recipe
+
+
+@pytest.fixture(scope="module")
+def recipe(tmp_path_factory) -> Path:
+    tmp = tmp_path_factory.mktemp("launch")
+    corpus = tmp / "corpus"
+    corpus.mkdir()
+    for i in range(6):
+        (corpus / f"scene{i}.txt").write_text(f"SCENE {i}.\n" + PLAY * (3 + i))
+    return write_recipe(tmp / "unit.toml", corpus)
+
+
+BAD_LAYOUTS = [  # (arguments, what the one line must say); the debug model: 2 layers, 4 heads, 2 KV heads
+    (["parallel.dp_shard=2"], "parallel: pp=1 x dp_replicate=1 x dp_shard=2 x tp=1 = 2 ranks, but the world size is 1"),
+    (["parallel.tp=3", "--nproc", "2"], "parallel.dp_shard: the other degrees multiply to 3, which does not divide the world size 2"),
+    (["parallel.tp=4", "parallel.dp_shard=1", "--nproc", "4"], "parallel.tp: model.n_kv_heads = 2 is not divisible by tp = 4"),
+    (["parallel.pp=2", "parallel.dp_shard=1", "parallel.pp_split=[1, 2]", "--nproc", "2"],
+     "parallel.pp_split: [1, 2] must be 2 positive layer counts (one per stage) adding up to model.n_layers = 2"),
+    (["parallel.pp=2", "parallel.dp_shard=1", "parallel.pp_microbatches=1", "--nproc", "2"],
+     "parallel.pp_microbatches: 1f1b needs at least as many micro-batches as pipeline ranks (2); got 1"),
+    (["--nproc", "1000"], "--nproc: 1000 processes, but this machine allows"),
+]
+
+
+@pytest.mark.parametrize("args,message", BAD_LAYOUTS, ids=[m.split(":")[0] for _, m in BAD_LAYOUTS])
+def test_bad_layouts_fail_in_one_line_before_any_process(recipe, tmp_path, args, message):
+    done = run_cli("run", str(recipe), *args, "--run-dir", str(tmp_path / "run"), cwd=recipe.parent)
+    assert done.returncode == 2, done.stderr
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and message in lines[0], done.stderr
+    assert not (tmp_path / "run").exists()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("localhost", 0))
+        return s.getsockname()[1]
+
+
+def test_two_torchrun_agents_as_two_nodes_train_together(recipe, tmp_path):
+    run_dir = tmp_path / "run"
+    port = _free_port()
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1",
+           "--rdzv-backend", "c10d", "--rdzv-endpoint", f"localhost:{port}", "--rdzv-id", "two-nodes",
+           "-m", "trainbook", "run", str(recipe), "train.max_steps=3", "log.every_steps=1", "--run-dir", str(run_dir)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    agents = [subprocess.Popen(cmd, cwd=recipe.parent, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                               text=True) for _ in range(2)]
+    logs = [agent.communicate(timeout=300)[0] for agent in agents]
+    # Results first; a non-zero exit is tolerated only as gloo's known exit-time abort.
+    assert all(a.returncode == 0 or "terminate called" in log for a, log in zip(agents, logs)), logs
+    assert sum("done: 3 steps" in log for log in logs) == 1  # rank 0 (on either node) reports
+    env_json = json.loads((run_dir / "env.json").read_text())
+    assert env_json["world_size"] == 2 and env_json["parallel"]["dp_shard"] == 2
+    assert sorted(p.name.split("-")[0] for p in (run_dir / "logs").iterdir()) == ["rank0", "rank1"]
+
+    single = run_cli("run", str(recipe), "train.max_steps=3", "log.every_steps=1", "--run-dir",
+                     str(tmp_path / "single"), cwd=recipe.parent)
+    assert single.returncode == 0, single.stderr
+
+    def losses(path: Path) -> list[float]:
+        lines = (path / "metrics.jsonl").read_text().splitlines()
+        return [r["loss"] for r in map(json.loads, lines) if r["kind"] == "train"]
+
+    assert losses(run_dir) == pytest.approx(losses(tmp_path / "single"), rel=1e-5)
+
+
+def test_a_stuck_rank_times_out_with_the_collective_named(recipe, tmp_path):
+    env = {"TRAINBOOK_FAULT": "train.after_step@2", "TRAINBOOK_FAULT_RANK": "1", "TRAINBOOK_FAULT_ACTION": "hang"}
+    done = run_cli("run", str(recipe), "train.max_steps=6", "parallel.timeout_s=5", "parallel.data_parallel=ddp",
+                   "parallel.dp_replicate=2", "parallel.dp_shard=1", "--nproc", "2", "--run-dir",
+                   str(tmp_path / "run"), cwd=recipe.parent, env=env, timeout=300)
+    assert done.returncode != 0
+    errors = [line for line in done.stderr.splitlines() if line.startswith("trainbook: error:")]
+    assert len(errors) == 1, done.stderr[-3000:]
+    assert "parallel.timeout_s: rank 0: a collective timed out after 5 s in step 3" in errors[0]
