@@ -119,7 +119,13 @@ class TokenizerConfig(Section):
 
 class ModelConfig(Section):
     name: str = "tiny"
-    """A registry name (`trainbook.model.registry`); the fields below override its values."""
+    """A registry name (`trainbook.model.registry`), or `from_hf`: the architecture of `init_from`'s
+    config.json; the fields below override its values."""
+    init_from: str | None = None
+    """`hf:PATH`: start from a Hugging Face Llama directory's weights (and use its tokenizer)."""
+    resize_init: Literal["mean", "normal"] = "mean"
+    """Rows added when `vocab_size` exceeds the imported vocabulary: the mean of the existing
+    embeddings, or normal(0, init_std)."""
     dim: int | None = Field(default=None, ge=1)
     """Hidden size."""
     n_layers: int | None = Field(default=None, ge=1)
@@ -184,6 +190,11 @@ class TrainConfig(Section):
     """Evaluate on the held-out split every N steps (and at step 0 and the end); 0 disables."""
     eval_steps: int = Field(default=10, ge=1)
     """Validation batches per evaluation."""
+    freeze: list[str] = []
+    """Glob patterns over parameter names (e.g. "layers.[0-3].*", "tok_embeddings.*") that do not
+    train: no gradients, no optimizer state."""
+    reinit: list[str] = []
+    """Glob patterns over parameter names re-initialised after loading (e.g. "output.*")."""
     activation_checkpoint: Literal["none", "full", "selective"] = "none"
     """Recompute activations in backward: `full` every block, `selective` every other block."""
     compile: bool = False

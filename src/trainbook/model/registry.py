@@ -18,7 +18,9 @@ from trainbook.config.schema import ModelConfig
 from trainbook.errors import TrainbookError
 
 # The architecture fields every entry must define (everything in ModelConfig but the name).
-_FIELDS = tuple(f for f in ModelConfig.model_fields if f != "name")
+# Architecture fields (what a registry entry sets); `init_from` and `resize_init` say how to start.
+ARCH_FIELDS = tuple(f for f in ModelConfig.model_fields if f not in ("name", "init_from", "resize_init"))
+FROM_HF = "from_hf"
 
 # fmt: off
 REGISTRY: dict[str, dict] = {
@@ -82,17 +84,23 @@ def resolve(cfg: ModelConfig) -> ModelConfig:
     Idempotent (resolving a resolved config returns an equal one). Raises TrainbookError naming
     the offending key when the name is unknown or the shapes do not fit together.
     """
+    if cfg.name == FROM_HF:
+        if not is_resolved(cfg):
+            raise TrainbookError("the architecture comes from model.init_from's config.json; set init_from = "
+                                 "\"hf:PATH\"", where="model.name")
+        _check_shapes(cfg, overridden=set())
+        return cfg
     entry = REGISTRY[_known(cfg.name)]
-    overrides = {k: v for k, v in cfg.model_dump(exclude={"name"}).items() if v is not None}
-    values = {k: entry[k] for k in _FIELDS} | overrides
-    resolved = ModelConfig(name=cfg.name, **values)
+    overrides = {k: v for k, v in cfg.model_dump(include=set(ARCH_FIELDS)).items() if v is not None}
+    values = {k: entry[k] for k in ARCH_FIELDS} | overrides
+    resolved = ModelConfig(name=cfg.name, init_from=cfg.init_from, resize_init=cfg.resize_init, **values)
     _check_shapes(resolved, overridden=set(overrides))
     return resolved
 
 
 def is_resolved(cfg: ModelConfig) -> bool:
     """True when every architecture field is set (the model code needs no registry look-up)."""
-    return all(getattr(cfg, k) is not None for k in _FIELDS)
+    return all(getattr(cfg, k) is not None for k in ARCH_FIELDS)
 
 
 def _known(name: str) -> str:

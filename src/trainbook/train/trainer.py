@@ -24,6 +24,7 @@ from trainbook.config import Config, dump_toml
 from trainbook.faults import fault_point
 from trainbook.data import Prepared, TrainLoader, val_batches
 from trainbook.model import build_model, num_params
+from trainbook.model.surgery import freeze, reinit, resize_vocab, trainable_summary
 from trainbook.monitor import (
     EvalReport, EventLog, LogLines, MetricsFile, StepReport, close_run_logger, console_monitor,
     setup_run_logger,
@@ -75,8 +76,18 @@ class Trainer:
         self.tokens_per_step = self.accum_steps * t.micro_batch_size * t.seq_len * dp  # all ranks
 
     def _build_model(self):
-        """The full model on every rank (same seed, same init), then this rank's part of it."""
-        model = build_model(self.cfg.model, self.device, seed=self.cfg.run.seed)
+        """The full model on every rank (same seed, same init, or imported weights), fine-tuning
+        surgery, then this rank's part of it."""
+        cfg, seed = self.cfg, self.cfg.run.seed
+        if cfg.model.init_from:
+            model = self._import_model()
+        else:
+            model = build_model(cfg.model, self.device, seed=seed)
+        unmatched = reinit(model, cfg.train.reinit, cfg.model.init_std, seed + 1)
+        unmatched += freeze(model, cfg.train.freeze)
+        # Reported once the run log exists (_announce).
+        self.notes = [f"pattern {p!r} in train.freeze/train.reinit matches no parameter" for p in unmatched]
+        self.trainable = trainable_summary(model)
         rt = self.rt
         if rt.dims.pp > 1:
             from trainbook.parallel.pipeline import StageGroup, build_pipeline
@@ -87,6 +98,18 @@ class Trainer:
             )
             return StageGroup(pipeline.modules), pipeline
         return parallelize(model, rt.dims, rt.mesh, self.cfg), None
+
+    def _import_model(self):
+        """A Hugging Face Llama's weights, grown to the recipe's vocabulary if that is larger."""
+        from trainbook.model.hf import load_hf_weights, model_config_from_hf
+        from trainbook.train.run import hf_dir
+
+        m, path = self.cfg.model, hf_dir(self.cfg.model.init_from)
+        imported_vocab = model_config_from_hf(path).vocab_size
+        model = build_model(m.model_copy(update={"vocab_size": imported_vocab}), self.device, seed=self.cfg.run.seed)
+        load_hf_weights(model, path)
+        resize_vocab(model, m.vocab_size, m.resize_init, seed=self.cfg.run.seed + 2)
+        return model
 
     def _pipeline_pass(self, batch, accum_steps: int) -> torch.Tensor | None:
         with self.precision.autocast():
@@ -214,6 +237,10 @@ class Trainer:
             f"(this rank) | {t.max_steps} steps x {tokens_per_step:,} tokens ({self.accum_steps} x "
             f"{t.micro_batch_size} x {t.seq_len} x {dims.dp} dp) | {layout} | device {self.device}"
         )
+        self._message(self.trainable)
+        for note in self.notes:
+            self.logger.warning(note)
+            self._message(f"warning: {note}")
         if self.step == 0:
             self.events.emit("start", self.step, tokens_per_step=tokens_per_step)
 

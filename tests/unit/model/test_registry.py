@@ -7,7 +7,7 @@ from trainbook.errors import TrainbookError
 from trainbook.model import names, resolve
 from trainbook.model.registry import REGISTRY, is_resolved, source
 
-ARCH_FIELDS = [f for f in ModelConfig.model_fields if f != "name"]
+ARCH_FIELDS = [f for f in ModelConfig.model_fields if f not in ("name", "init_from", "resize_init")]
 
 
 def test_names_list_every_entry():
