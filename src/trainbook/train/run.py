@@ -12,11 +12,11 @@ from pathlib import Path
 import torch
 
 from trainbook.checkpoint import InvalidCheckpoint, newest_valid, read_latest, step_of, verify
-from trainbook.config import Config, ModelConfig, TokenizerConfig, dump_toml, load_config
+from trainbook.config import Config, TokenizerConfig, dump_toml, load_config
 from trainbook.data import Prepared, prepare
 from trainbook.errors import TrainbookError
 from trainbook.model import resolve
-from trainbook.model.registry import ARCH_FIELDS, FROM_HF
+from trainbook.model.registry import FROM_HF
 from trainbook.monitor import rewind_metrics
 from trainbook.parallel import pick_device
 from trainbook.parallel.dims import resolve_dims
@@ -46,10 +46,6 @@ def resolve_config(recipe: Path, overrides: list[str], world_size: int = 1) -> C
     return cfg
 
 
-# Fields a recipe may set differently from an imported model: they change no weight's meaning.
-_FREE_FIELDS = {"max_seq_len", "init_std"}
-
-
 def hf_dir(init_from: str) -> Path:
     kind, _, path = init_from.partition(":")
     if kind != "hf" or not path:
@@ -62,24 +58,16 @@ def hf_dir(init_from: str) -> Path:
 def with_hf_model(cfg: Config) -> Config:
     """The model section filled from (or checked against) `init_from`'s config.json, and the
     directory's tokenizer as the run's tokenizer."""
-    from trainbook.model.hf import hf_tokenizer_config, model_config_from_hf
+    from trainbook.model.hf import check_against_recipe, hf_tokenizer_config, model_config_from_hf
 
     path = hf_dir(cfg.model.init_from)
     imported = model_config_from_hf(path)
+    check_against_recipe(imported, cfg.model)
+    # The imported architecture; the recipe may choose a larger vocabulary (resized after
+    # loading), the RoPE table's length and the init std of re-initialised tensors.
     ours = cfg.model if cfg.model.name == FROM_HF else resolve(cfg.model)
-    values = imported.model_dump(include=set(ARCH_FIELDS))
-    for key in ARCH_FIELDS:
-        mine = getattr(ours, key)
-        if mine is None or mine == values[key]:
-            continue
-        if key == "vocab_size" and mine > values[key]:
-            values[key] = mine  # resized after loading (model.resize_init)
-        elif key in _FREE_FIELDS:
-            values[key] = mine
-        else:
-            raise TrainbookError(f"{path}/config.json has {key}={values[key]}, recipe has {mine}",
-                                 where=f"model.{key}")
-    model = ModelConfig(name=FROM_HF, init_from=cfg.model.init_from, resize_init=cfg.model.resize_init, **values)
+    chosen = {k: getattr(ours, k) for k in ("vocab_size", "max_seq_len", "init_std") if getattr(ours, k) is not None}
+    model = imported.model_copy(update={**chosen, "init_from": cfg.model.init_from, "resize_init": cfg.model.resize_init})
     tokenizer = TokenizerConfig(**hf_tokenizer_config(path))
     return cfg.model_copy(update={"model": model, "tokenizer": tokenizer})
 

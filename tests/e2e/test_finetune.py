@@ -1,0 +1,77 @@
+"""The fine-tuning recipe end to end: a Hugging Face Llama directory (built offline here), a JSONL of
+text, `trainbook run recipes/finetune-hf-llama.toml`, then export back to Hugging Face."""
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.conftest import PLAY, RECIPES, run_cli
+
+transformers = pytest.importorskip("transformers")
+
+
+def _hf_directory(path: Path) -> None:
+    """A tiny random LlamaForCausalLM with a byte-level BPE tokenizer trained on play text."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE(unk_token=None))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=["<s>", "</s>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator([PLAY] * 20, trainer)
+    fast = transformers.PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>")
+    fast.save_pretrained(path)
+    config = transformers.LlamaConfig(
+        vocab_size=tok.get_vocab_size(), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256, rope_theta=50000.0,
+        tie_word_embeddings=False, bos_token_id=0, eos_token_id=1,
+    )
+    torch.manual_seed(0)
+    transformers.LlamaForCausalLM(config).save_pretrained(path)
+
+
+def test_finetune_recipe_trains_frozen_embedding_and_exports(tmp_path):
+    _hf_directory(tmp_path / "models" / "llama-hf")
+    (tmp_path / "data").mkdir()
+    lines = [json.dumps({"text": f"SCENE {i}.\n" + PLAY * (1 + i % 3)}) for i in range(40)]
+    (tmp_path / "data" / "finetune.jsonl").write_text("\n".join(lines) + "\n")
+    run_dir = tmp_path / "run"
+    done = run_cli("run", str(RECIPES / "finetune-hf-llama.toml"), "train.max_steps=4", "train.seq_len=64",
+                   "train.micro_batch_size=2", "train.global_batch_tokens=256", "train.eval_every=2",
+                   "log.every_steps=1", "run.device=cpu", "--run-dir", str(run_dir), cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    assert "parameters trainable" in done.stdout
+
+    # The embedding was frozen: exported bitwise equal to the imported one; the rest trained.
+    out = tmp_path / "export"
+    exported = run_cli("export", str(run_dir), "--format", "hf", "--out", str(out), cwd=tmp_path)
+    assert exported.returncode == 0, exported.stderr
+    from safetensors.torch import load_file
+
+    before = load_file(tmp_path / "models" / "llama-hf" / "model.safetensors")
+    after = load_file(out / "model.safetensors")
+    assert torch.equal(after["model.embed_tokens.weight"], before["model.embed_tokens.weight"])
+    assert not torch.equal(after["model.layers.0.self_attn.q_proj.weight"], before["model.layers.0.self_attn.q_proj.weight"])
+    model = transformers.LlamaForCausalLM.from_pretrained(out)
+    assert model.config.vocab_size == before["model.embed_tokens.weight"].shape[0]
+
+    # The run's tokenizer is the directory's: the same ids as transformers' tokenizer.
+    hf_tok = transformers.AutoTokenizer.from_pretrained(tmp_path / "models" / "llama-hf")
+    from trainbook.data import Tokenizer
+
+    ours = Tokenizer.load(run_dir / "tokenizer")
+    assert ours.encode("BERNARDO: Who's there?") == hf_tok.encode("BERNARDO: Who's there?", add_special_tokens=False)
+
+
+def test_finetune_bad_inputs(tmp_path):
+    missing = run_cli("run", str(RECIPES / "finetune-hf-llama.toml"), "model.init_from=hf:nowhere", cwd=tmp_path)
+    assert missing.returncode == 2 and "model.init_from: nowhere is not a directory" in missing.stderr
+
+    _hf_directory(tmp_path / "models" / "llama-hf")
+    wrong = run_cli("run", str(RECIPES / "finetune-hf-llama.toml"), "model.name=tiny", cwd=tmp_path)
+    assert wrong.returncode == 2 and "model.dim: the recipe's model has dim=192, the Hugging Face model hidden_size=64" in wrong.stderr, wrong.stderr
+    small = run_cli("run", str(RECIPES / "finetune-hf-llama.toml"), "model.vocab_size=100", cwd=tmp_path)
+    assert small.returncode == 2 and "model.vocab_size" in small.stderr, small.stderr
