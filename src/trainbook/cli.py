@@ -120,6 +120,21 @@ def config(recipe: RecipeArg = None, overrides: OverridesArg = None) -> None:
 
 
 @app.command()
+def plan(
+    recipe: RecipeArg = None,
+    overrides: OverridesArg = None,
+    world_size: Annotated[int, typer.Option(help="Ranks to lay the model out on.")] = 1,
+    device_memory: Annotated[Optional[str], typer.Option(help="Memory per device (e.g. 80GiB): flag layouts that will not fit.")] = None,
+    json: Annotated[bool, typer.Option("--json", help="The plan as JSON.")] = False,
+) -> None:
+    """Show who holds what before a run: mesh, stages, placements, batch split, gradient path, memory per rank."""
+    from trainbook.parallel.plan import plan_command
+
+    path, overrides = _recipe_and_overrides(recipe, overrides)
+    typer.echo(plan_command(path, overrides, world_size, device_memory, json))
+
+
+@app.command()
 def sample(
     target: Annotated[Path, typer.Argument(help="A run directory or one of its checkpoints.")],
     prompt: Annotated[str, typer.Option(help="Text to continue.")] = "\n",

@@ -196,7 +196,8 @@ class TrainConfig(Section):
     reinit: list[str] = []
     """Glob patterns over parameter names re-initialised after loading (e.g. "output.*")."""
     activation_checkpoint: Literal["none", "full", "selective"] = "none"
-    """Recompute activations in backward: `full` every block, `selective` every other block."""
+    """Recompute activations in backward: `full` all of every block, `selective` all but the
+    matmul and attention outputs (cheap elementwise and norm ops are recomputed)."""
     compile: bool = False
     """Compile each block with `torch.compile` (after tensor parallel, before FSDP)."""
 
@@ -217,8 +218,26 @@ class TrainConfig(Section):
 
 
 class PrecisionConfig(Section):
-    dtype: Literal["fp32", "bf16"] = "fp32"
-    """Compute dtype: `bf16` runs forward/backward under autocast; weights and optimizer stay fp32."""
+    dtype: Literal["fp32", "bf16", "fp16"] = "fp32"
+    """Compute dtype: `bf16`/`fp16` run forward/backward in that dtype (autocast, or FSDP's
+    mixed-precision policy); weights, optimizer state and gradient reduction stay fp32.
+    `fp16` adds dynamic loss scaling."""
+    loss_scale_init: float = Field(default=2.0**16, gt=0)
+    """fp16: the first loss scale."""
+    loss_scale_growth: float = Field(default=2.0, ge=1)
+    """fp16: the scale is multiplied by this after `loss_scale_interval` steps without overflow."""
+    loss_scale_interval: int = Field(default=2000, ge=1)
+    """fp16: clean steps before the scale grows."""
+    loss_scale_backoff: float = Field(default=0.5, gt=0, lt=1)
+    """fp16: the scale is multiplied by this when a step's gradients overflow (the step is skipped)."""
+    loss_scale_min: float = Field(default=1.0, gt=0)
+    """fp16: the scale never goes below this."""
+
+    @model_validator(mode="after")
+    def _min_below_init(self) -> PrecisionConfig:
+        if self.loss_scale_min > self.loss_scale_init:
+            raise ValueError(f"loss_scale_min {self.loss_scale_min} is above loss_scale_init {self.loss_scale_init}")
+        return self
 
 
 class ParallelConfig(Section):

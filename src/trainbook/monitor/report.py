@@ -22,13 +22,20 @@ class StepReport:
     """Seconds spent in data, forward, backward, optimizer."""
     mem_peak_bytes: int = 0
     loss_scale: float | None = None
+    """fp16: the loss scale this step ran with; None when no loss scaling is needed."""
+    skipped_steps: int | None = None
+    """fp16: steps skipped so far because their gradients overflowed; None without loss scaling."""
     time: float = 0.0
     data_mix: dict | None = None
     """Per training source: {"target": weight share, "actual": share of the tokens consumed}."""
 
     def metrics_record(self) -> dict:
-        """The `metrics.jsonl` line (keys are a contract, see DESIGN.md)."""
-        return {"kind": "train", **asdict(self)}
+        """The `metrics.jsonl` line (keys are a contract, see DESIGN.md). A skipped fp16 step's
+        gradient norm is inf: written as null, since JSON has no infinity."""
+        record = {"kind": "train", **asdict(self)}
+        if record["grad_norm"] != record["grad_norm"] or abs(record["grad_norm"]) == float("inf"):
+            record["grad_norm"] = None
+        return record
 
 
 @dataclass(frozen=True)

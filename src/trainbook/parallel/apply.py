@@ -15,6 +15,7 @@ of the single-device model.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import torch
@@ -27,6 +28,7 @@ from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selectiv
 
 from trainbook.config import Config
 from trainbook.parallel.dims import ParallelDims
+from trainbook.precision import Precision
 
 # Ops whose outputs selective checkpointing keeps: matmuls and attention are expensive to
 # recompute; norms, activations and elementwise ops are cheap and recomputed.
@@ -130,13 +132,16 @@ def _save_policy(ctx, op, *args, **kwargs):
 
 def apply_fsdp(model: nn.Module, mesh, cfg: Config) -> None:
     """FSDP2 per block, then the root (embeddings, final norm, output head)."""
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    from torch.distributed.fsdp import fully_shard
 
-    # bf16 compute with fp32 master weights; gradients reduced in fp32.
-    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) \
-        if cfg.precision.dtype == "bf16" else MixedPrecisionPolicy()
+    # Compute dtype for the gathered parameters, fp32 master weights, gradients reduced in fp32.
+    device = next(model.parameters()).device
+    mp = Precision(cfg.precision, device, fsdp=True).fsdp_policy()
+    # Blocks take the residual stream (already in the compute dtype: the embedding ran in it) and
+    # the RoPE tables, which must stay fp32 (precision.FP32_OPS): no casting of block inputs.
+    block_mp = dataclasses.replace(mp, cast_forward_inputs=False)
     blocks = list(model.layers.values())
     for i, block in enumerate(blocks):
         # The last block's parameters are needed again at once by backward: keep them gathered.
-        fully_shard(block, mesh=mesh, mp_policy=mp, reshard_after_forward=i < len(blocks) - 1)
+        fully_shard(block, mesh=mesh, mp_policy=block_mp, reshard_after_forward=i < len(blocks) - 1)
     fully_shard(model, mesh=mesh, mp_policy=mp)

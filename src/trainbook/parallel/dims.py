@@ -100,6 +100,9 @@ def resolve_dims(cfg: Config, world_size: int, where: str) -> ParallelDims:
 
 def _check_pipeline(cfg: Config, dims: ParallelDims, where: str) -> None:
     p, n_layers = cfg.parallel, cfg.model.n_layers
+    if cfg.precision.dtype == "fp16":
+        raise TrainbookError("fp16 needs loss scaling, which the pipeline schedules do not apply yet; "
+                             "use bf16 with pp > 1", where=f"{where}: precision.dtype")
     stages = dims.pp * p.pp_stages_per_rank
     if p.pp_schedule == "interleaved1f1b" and p.pp_stages_per_rank < 2:
         raise TrainbookError("interleaved1f1b needs pp_stages_per_rank >= 2", where=f"{where}: parallel.pp_stages_per_rank")

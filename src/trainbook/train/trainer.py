@@ -59,7 +59,11 @@ class Trainer:
         tied = self.pipeline.tied_weight() if self.pipeline else None  # a tied copy is an embedding
         self.optimizer = build_optimizer(self.model, cfg.optim, embeddings=(tied,) if tied is not None else ())
         self.schedule = LRSchedule(cfg.schedule, cfg.optim.lr, cfg.train.max_steps)
-        self.precision = Precision(cfg.precision, self.device)
+        dims = self.rt.dims
+        # Under FSDP its mixed-precision policy casts; elsewhere autocast (parallel/apply.py).
+        self.precision = Precision(cfg.precision, self.device,
+                                   fsdp=dims.dp > 1 and cfg.parallel.data_parallel == "fsdp")
+        self.scaler = self.precision.loss_scaler()
         self.train_loader = self._build_train_loader(data)
         self.val_batches = self._build_val_batches(data)
         self.logger, self.events, self.monitors = self._build_monitors()
@@ -195,17 +199,25 @@ class Trainer:
                 # tp ranks hold copies of one replica's loss, pp ranks but the last hold none.
                 reduce_loss=lambda loss: self.rt.all_reduce_mean(loss, over=dims.dp * dims.tp),
                 clip_grad=self.pipeline.clip_grad_norm_ if self.pipeline else None, phase=self.phase,
+                scaler=self.scaler,
             )
         except RuntimeError as e:
             raise self._explain(e) from e
         elapsed = time.perf_counter() - start
         self.step += 1
-        self.tokens += self.tokens_per_step
+        self.tokens += self.tokens_per_step  # a skipped step consumed its data too
+        if result.skipped:
+            self.events.emit("skipped_step", self.step, reason="gradient overflow (inf/NaN)",
+                             loss_scale=result.loss_scale, next_loss_scale=self.scaler.scale_value,
+                             skipped_total=self.scaler.skipped)
+            self.logger.warning(f"step {self.step}: gradients overflowed at loss scale {result.loss_scale:g}; "
+                                f"step skipped, scale -> {self.scaler.scale_value:g}")
         report = StepReport(
             step=self.step, tokens=self.tokens, loss=result.loss, lr=lr, grad_norm=result.grad_norm,
             tokens_per_s=self.tokens_per_step / elapsed, step_time_s=elapsed, phases=result.phases,
             mem_peak_bytes=peak_memory_bytes(self.device), time=time.time(),
-            data_mix=self.train_loader.mixture_report(),
+            data_mix=self.train_loader.mixture_report(), loss_scale=result.loss_scale,
+            skipped_steps=self.scaler.skipped if self.scaler.enabled else None,
         )
         for monitor in self.monitors:
             monitor.on_step(report)
@@ -220,6 +232,7 @@ class Trainer:
             "backward": "gradient reduce-scatter / all-reduce / tensor-parallel collectives",
             "pipeline forward/backward": "pipeline send/recv between stages",
             "gradient norm": "all-reduce of the gradient norm",
+            "gradient unscale": "all-reduce of the fp16 overflow flag",
             "loss report": "all-reduce of the loss",
         }
         what = waits.get(self.phase[0], self.phase[0])
@@ -286,6 +299,7 @@ class Trainer:
             "trainer": {"step": torch.tensor(self.step), "tokens": torch.tensor(self.tokens)},
             "data": {k: torch.tensor(v) for k, v in self.train_loader.state_dict().items()},
             "rng": {f"rank{self.rank}": rng_state()},
+            "precision": self.scaler.state_dict(),
         }
 
     def load_checkpoint(self, path: Path) -> None:
@@ -297,7 +311,11 @@ class Trainer:
         if f"rng.{rng_key}.torch_cpu" not in entries:  # a checkpoint from fewer ranks
             state.pop("rng")
             self.logger.warning(f"{path} has no RNG state for rank {self.rank}; it keeps its seeded state")
+        if "precision.scale" not in entries:  # a checkpoint from before loss scaling
+            state.pop("precision")
         load_state(path, state)
+        if "precision" in state:
+            self.scaler.load_state_dict(state["precision"])
         load_optimizer_state(self.model, self.optimizer, state["optim"])
         self.step = int(state["trainer"]["step"])
         self.tokens = int(state["trainer"]["tokens"])

@@ -112,7 +112,7 @@ def test_bad_overrides(tmp_path):
     )
     assert _error(path, ["train.max_steps=abc"]) == "command line: train.max_steps: cannot parse value 'abc'"
     assert "not of the form key.path=value" in _error(path, ["train.max_steps"])
-    assert "Input should be 'fp32' or 'bf16'" in _error(path, ["precision.dtype=fp8"])
+    assert "Input should be 'fp32', 'bf16' or 'fp16'" in _error(path, ["precision.dtype=fp8"])
 
 
 def test_batch_arithmetic_is_validated(tmp_path):

@@ -1,0 +1,229 @@
+"""`trainbook plan` in one process: TP plan keys, batch arithmetic, sizes, text and JSON output.
+
+Exact bytes per rank against real gloo ranks, and the activation estimate against saved-tensor
+hooks, are in tests/dist/test_plan.py.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import sys
+from pathlib import Path
+
+import pytest
+import torch.distributed as dist
+from torch import nn
+
+from trainbook.config.schema import ModelConfig
+from trainbook.errors import TrainbookError
+from trainbook.model import build_model, names, num_params, resolve
+from trainbook.model.llama import RMSNorm
+from trainbook.parallel.apply import tp_plan
+from trainbook.parallel.pipeline import cut_stage, model_stage_layers
+from trainbook.parallel.plan import parse_size, plan_command, render
+
+RECIPE = Path(__file__).resolve().parents[3] / "recipes" / "tiny-shakespeare.toml"
+TINY = ["model.name=tiny", "train.seq_len=32", "train.micro_batch_size=2"]
+# Llama 3 8B as pre-trained: 4096-token sequences, one per micro-batch, 8 per step (fp32 weights).
+LLAMA8B = ["model.name=llama3-8b", "model.vocab_size=128256", "train.seq_len=4096", "train.micro_batch_size=1",
+           "train.global_batch_tokens=32768"]
+GiB = 1 << 30
+
+
+def plan_json(world_size: int, overrides: list[str], memory: str | None = None) -> dict:
+    return json.loads(plan_command(RECIPE, overrides, world_size, memory, as_json=True))
+
+
+# ---- TP plan keys -------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("name", names())
+def test_every_tp_plan_key_is_a_module_and_every_weight_has_a_plan(name):
+    model = build_model(resolve(ModelConfig(name=name)), "meta", seed=0)
+    plan = tp_plan(model)
+    # Nothing filtered away on the whole model: 3 root entries + 11 per block, all real modules.
+    assert len(plan) == 3 + 11 * len(model.layers)
+    for path in plan:
+        assert model.get_submodule(path) is not None, path
+    # ...and every matrix and norm of the model is covered by one.
+    weights = {n for n, m in model.named_modules() if isinstance(m, (nn.Linear, nn.Embedding, RMSNorm))}
+    assert weights <= set(plan), weights - set(plan)
+
+
+def test_tp_plan_of_a_pipeline_stage_names_only_its_own_modules():
+    model = build_model(resolve(ModelConfig(name="debug", n_layers=4)), "meta", seed=0)
+    layers = model_stage_layers(model, 2, None)
+    for i, r in enumerate(layers):
+        stage = cut_stage(model, r, is_first=i == 0, is_last=i == 1)
+        plan = tp_plan(stage)
+        assert all(stage.get_submodule(path) is not None for path in plan)
+        assert ("tok_embeddings" in plan) == (i == 0) and ("output" in plan) == (i == 1)
+        assert {p.split(".")[1] for p in plan if p.startswith("layers.")} == {str(j) for j in r}
+
+
+# ---- sizes --------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("text, expected", [
+    ("80GiB", 80 * GiB), ("80G", 80 * GiB), ("512MiB", 512 << 20), ("1.5TB", 1_500_000_000_000),
+    ("80GB", 80_000_000_000), ("1000", 1000), (" 64 kib ", 64 << 10), ("2TiB", 2 << 40),
+])
+def test_parse_size(text, expected):
+    assert parse_size(text) == expected
+
+
+@pytest.mark.parametrize("text", ["eighty", "", "GiB", "-5GiB", "0", "80XB", "1.2.3G"])
+def test_bad_sizes_are_one_line_errors_naming_the_option(text):
+    with pytest.raises(TrainbookError) as e:
+        plan_command(RECIPE, TINY, 1, text, as_json=False)
+    assert e.value.where == "--device-memory" and "\n" not in str(e.value)
+
+
+def test_a_layout_that_does_not_fit_the_world_is_a_one_line_error():
+    with pytest.raises(TrainbookError, match="parallel"):
+        plan_command(RECIPE, TINY + ["parallel.tp=3", "parallel.dp_shard=1"], 4, None, as_json=False)
+    with pytest.raises(TrainbookError, match="divisible by tp"):
+        plan_command(RECIPE, TINY + ["parallel.tp=4", "parallel.dp_shard=1"], 4, None, as_json=False)
+
+
+# ---- batch --------------------------------------------------------------------------------------
+
+def test_batch_arithmetic():
+    # 8192 tokens per step = 256 samples of 32; 2 data-parallel ranks x 2 per micro-batch -> 64 passes.
+    b = plan_json(4, TINY + ["train.global_batch_tokens=8192", "parallel.dp_shard=2", "parallel.tp=2"])["batch"]
+    assert b == {"seq_len": 32, "global_batch_tokens": 8192, "global_samples": 256, "data_parallel_ranks": 2,
+                 "micro_batch_size": 2, "accum_steps": 64, "samples_per_rank": 128, "tokens_per_rank": 4096}
+    # Pipelines cut each micro-batch into chunks: 4 samples into 2 of 2.
+    b = plan_json(2, TINY + ["train.micro_batch_size=4", "parallel.pp=2", "parallel.dp_shard=1"])["batch"]
+    assert (b["accum_steps"], b["pp_microbatches"], b["pp_microbatch_samples"]) == (16, 2, 2)
+
+
+# ---- layouts of the tiny model ------------------------------------------------------------------
+
+def test_mesh_groups_follow_the_row_major_rank_order():
+    mesh = plan_json(8, TINY + ["parallel.pp=2", "parallel.dp_shard=2", "parallel.tp=2"])["mesh"]
+    assert mesh["groups"] == {"pp": [[0, 4], [1, 5], [2, 6], [3, 7]], "dp_shard": [[0, 2], [1, 3], [4, 6], [5, 7]],
+                              "tp": [[0, 1], [2, 3], [4, 5], [6, 7]]}
+    assert mesh["same_data"] == [[0, 1, 4, 5], [2, 3, 6, 7]]  # tp and pp ranks of one data-parallel rank
+
+
+def test_placements_fsdp_times_tp():
+    params = {p["name"]: p for p in plan_json(4, TINY + ["parallel.dp_shard=2", "parallel.tp=2"])["params"]}
+    wq, wo, norm = params["layers.0.attention.wq.weight"], params["layers.0.attention.wo.weight"], params["norm.weight"]
+    # Column-parallel wq: rows split by tp, then FSDP splits each tp shard's rows again.
+    assert wq["placements"] == {"dp_shard": "StridedShard(0)", "tp": "Shard(0)"} and wq["local_shape"] == [48, 192]
+    assert wo["placements"] == {"dp_shard": "Shard(0)", "tp": "Shard(1)"} and wo["local_shape"] == [96, 96]
+    assert norm["placements"] == {"dp_shard": "Shard(0)", "tp": "Replicate"} and norm["local_shape"] == [96]
+    assert "output.weight" not in params  # tied: one tensor
+
+
+def test_pipeline_stages_and_who_holds_them():
+    plan = plan_json(2, TINY + ["parallel.pp=2", "parallel.dp_shard=1"])
+    stages = plan["pipeline"]["stages"]
+    assert [(s["layers"], s["embedding"], s["head"], s["ranks"]) for s in stages] == [
+        ([0, 2], True, False, [0]), ([2, 4], False, True, [1])]
+    params = {p["name"]: p for p in plan["params"]}
+    assert params["layers.1.attention.wq.weight"]["first_rank"] == 0
+    assert params["layers.2.attention.wq.weight"]["first_rank"] == 1
+    # Tied embeddings across stages: the head holds its own copy on the last stage.
+    assert params["tok_embeddings.weight"]["first_rank"] == 0 and params["output.weight"]["first_rank"] == 1
+    assert any(g["dim"] == "pp" and "tied" in g["text"] for g in plan["gradient_path"])
+
+
+def test_uneven_fsdp_chunks_are_reported_per_rank():
+    plan = plan_json(2, TINY + ["model.vocab_size=1001", "parallel.dp_shard=2"])
+    emb = next(p for p in plan["params"] if p["name"] == "tok_embeddings.weight")
+    assert emb["local_shape"] == [501, 192] and emb["largest_local_shape"] == [501, 192]
+    first, second = plan["memory"]["per_rank"]
+    assert first["params"] - second["params"] == 192 * 4  # rank 1 holds one row fewer
+
+
+def test_the_fake_process_group_leaves_nothing_behind():
+    hook = sys.excepthook
+    plan_json(2, TINY + ["parallel.dp_shard=2"])
+    assert not dist.is_initialized()
+    assert sys.excepthook is hook  # init_process_group prefixes it with "[rank<R>]"
+
+
+def test_plan_inside_a_job_that_has_a_process_group(tmp_path):
+    """Then placement runs in a spawned process; the job's own group is left alone."""
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        group = dist.group.WORLD
+        plan = plan_json(2, TINY + ["parallel.dp_shard=2"])
+        assert dist.is_initialized() and dist.group.WORLD is group and dist.get_world_size() == 1
+        assert plan["params"][0]["local_shape"] == [512, 192]
+    finally:
+        dist.destroy_process_group()
+
+
+# ---- Llama 3 8B on 1, 2, 4, 8 ranks of 80 GiB -----------------------------------------------------
+
+LAYOUTS_8B = {
+    "1": (1, []),
+    "2 fsdp": (2, ["parallel.dp_shard=2"]),
+    "4 fsdp x tp": (4, ["parallel.dp_shard=2", "parallel.tp=2"]),
+    "8 fsdp full-ac": (8, ["parallel.dp_shard=8", "train.activation_checkpoint=full"]),
+    # Two sequences per micro-batch: ~100 GiB of activations unless checkpointed.
+    "8 fsdp mb2": (8, ["parallel.dp_shard=8", "train.micro_batch_size=2", "train.global_batch_tokens=65536"]),
+}
+
+
+@pytest.fixture(scope="module")
+def llama8b() -> dict[str, dict]:
+    return {k: plan_json(n, LLAMA8B + o, "80GiB") for k, (n, o) in LAYOUTS_8B.items()}
+
+
+def test_llama3_8b_on_one_rank_does_not_fit_80gib(llama8b):
+    plan = llama8b["1"]
+    n = num_params(build_model(resolve(ModelConfig(name="llama3-8b")), "meta", seed=0))
+    assert n == plan["model"]["params"] == 8_030_261_248
+    rank = plan["memory"]["per_rank"][0]
+    # fp32 weights, fp32 gradients, AdamW: two fp32 moments + a 4-byte step per tensor (291 tensors).
+    assert rank["params"] == rank["grads"] == 4 * n
+    assert rank["optimizer"] == 8 * n + 4 * 291
+    assert rank["params"] + rank["grads"] + rank["optimizer"] > 119 * GiB
+    assert plan["memory"]["fits"] is False and plan["memory"]["verdict"].startswith("DOES NOT FIT")
+    text = plan_command(RECIPE, LLAMA8B, 1, "80GiB", as_json=False)
+    assert "DOES NOT FIT: rank 0 needs" in text.splitlines()[-1]
+
+
+def test_llama3_8b_sharded_8_ways_with_checkpointing_fits(llama8b):
+    plan = llama8b["8 fsdp full-ac"]
+    assert plan["memory"]["fits"] is True and plan["memory"]["verdict"].startswith("FITS")
+    ranks = plan["memory"]["per_rank"]
+    assert len(ranks) == 8
+    # FSDP partitions every tensor: the shards add up to the whole model, exactly.
+    assert sum(r["params"] for r in ranks) == 4 * plan["model"]["params"]
+    assert all(abs(r["params"] - 4 * plan["model"]["params"] / 8) < 1 << 20 for r in ranks)
+    act = ranks[0]["activations"]
+    # Activations of one 4096-token sequence: tens of GiB without checkpointing, a few with it.
+    assert 30 * GiB < act["none"]["peak"] < 70 * GiB
+    assert 2 * GiB < act["full"]["peak"] < act["selective"]["peak"] < act["none"]["peak"]
+    assert ranks[0]["total"] < 40 * GiB
+    # Without checkpointing the same layout does not fit, and the verdict says what would.
+    no_ac = llama8b["8 fsdp mb2"]["memory"]
+    assert no_ac["fits"] is False and "activation_checkpoint = full would fit" in no_ac["verdict"]
+
+
+def test_more_ranks_hold_less_each(llama8b):
+    totals = [max(r["total"] for r in llama8b[k]["memory"]["per_rank"]) for k in ("1", "2 fsdp", "4 fsdp x tp")]
+    assert totals == sorted(totals, reverse=True)
+    states = [llama8b[k]["memory"]["per_rank"][0]["optimizer"] for k in ("1", "2 fsdp", "4 fsdp x tp", "8 fsdp mb2")]
+    assert states[0] / states[1] == pytest.approx(2, rel=1e-3) and states[0] / states[3] == pytest.approx(8, rel=1e-3)
+
+
+@pytest.mark.parametrize("key", ["1", "2 fsdp", "4 fsdp x tp", "8 fsdp full-ac"])
+def test_text_and_json_say_the_same(llama8b, key):
+    world_size = LAYOUTS_8B[key][0]
+    plan = llama8b[key]
+    assert set(plan) == {"recipe", "world_size", "model", "precision", "mesh", "pipeline", "params", "batch",
+                         "gradient_path", "memory"}
+    text = render(plan)  # what plan_command prints without --json
+    headings = [line for line in text.splitlines() if line and not line.startswith(" ")]
+    assert [h.split()[0].rstrip(":") for h in headings[:-1]] == [
+        "plan", "model", "Mesh", "Pipeline", "Parameters", "Batch", "Gradient", "Memory"]
+    assert headings[-1] == plan["memory"]["verdict"]
+    # Each block's parameters appear once, collapsed over the 32 blocks.
+    assert re.search(r"layers\.\*\.attention\.wq\.weight \(x32\)\s+4096 x 4096", text)
+    assert ("reduce-scatter each block's gradient" in text) == (world_size > 1)
+    assert ("  tp " in text) == (world_size == 4)  # the tp rows of the mesh and of the gradient path
