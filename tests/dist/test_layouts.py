@@ -22,7 +22,7 @@ import pytest
 from tests.conftest import PLAY, run_cli, write_recipe
 
 COMMON = ["model.name=tiny", "train.max_steps=20", "train.micro_batch_size=2", "train.eval_every=10",
-          "log.every_steps=1", "checkpoint.interval_steps=0"]
+          "log.every_steps=1", "checkpoint.interval_steps=10"]
 
 LAYOUTS = {
     "ddp2": (2, ["parallel.data_parallel=ddp", "parallel.dp_replicate=2", "parallel.dp_shard=1"]),
@@ -88,3 +88,19 @@ def test_layout_matches_one_process(baselines, tmp_path, layout):
         assert got[key] == pytest.approx(value, rel=1e-5), (layout, key, got[key], value)
     env = json.loads((tmp_path / layout / "env.json").read_text())
     assert env["world_size"] == nproc
+
+
+def test_a_one_process_checkpoint_resumes_under_fsdp_tp(baselines, tmp_path):
+    """Resharding: step 10 of the single-process run continues on 4 ranks (FSDP2 x TP) and steps
+    11-20 match the uninterrupted single-process run."""
+    expected = baselines.losses(2)
+    checkpoint = baselines.recipe.parent / "single-mbs2" / "checkpoints" / "step-10"
+    done = run_cli("run", str(baselines.recipe), *COMMON, "parallel.dp_shard=2", "parallel.tp=2", "--nproc", "4",
+                   "--resume", str(checkpoint), "--run-dir", str(tmp_path / "resumed"), cwd=baselines.recipe.parent,
+                   timeout=600)
+    finished = "done: 20 steps" in done.stdout
+    assert done.returncode == 0 or (finished and "Signal" in done.stderr), done.stdout[-2000:] + done.stderr[-3000:]
+    got = _losses(tmp_path / "resumed")
+    assert sorted(k for k in got if k[0] == "train") == [("train", s) for s in range(11, 21)]
+    for key, value in got.items():
+        assert value == pytest.approx(expected[key], rel=1e-5), (key, value, expected[key])
