@@ -30,14 +30,17 @@ BERNARDO:
 """
 
 
-@pytest.fixture
-def corpus(tmp_path: Path) -> Path:
-    """Six small text documents (a different scene each) in tmp_path/corpus/."""
-    root = tmp_path / "corpus"
+def write_corpus(root: Path) -> Path:
+    """Six small text documents (a different scene each) in a new directory `root`."""
     root.mkdir()
     for i in range(6):
         (root / f"scene{i}.txt").write_text(f"SCENE {i}.\n" + PLAY * (3 + i))
     return root
+
+
+@pytest.fixture
+def corpus(tmp_path: Path) -> Path:
+    return write_corpus(tmp_path / "corpus")
 
 
 def write_recipe(path: Path, corpus: Path, *, extra: str = "") -> Path:

@@ -128,7 +128,7 @@ def plan(
     json: Annotated[bool, typer.Option("--json", help="The plan as JSON.")] = False,
 ) -> None:
     """Show who holds what before a run: mesh, stages, placements, batch split, gradient path, memory per rank."""
-    from trainbook.parallel.plan import plan_command
+    from trainbook.train.planning import plan_command
 
     path, overrides = _recipe_and_overrides(recipe, overrides)
     typer.echo(plan_command(path, overrides, world_size, device_memory, json))

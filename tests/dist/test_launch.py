@@ -11,16 +11,13 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import PLAY, run_cli, write_recipe
+from tests.conftest import run_cli, write_corpus, write_recipe
 
 
 @pytest.fixture(scope="module")
 def recipe(tmp_path_factory) -> Path:
     tmp = tmp_path_factory.mktemp("launch")
-    corpus = tmp / "corpus"
-    corpus.mkdir()
-    for i in range(6):
-        (corpus / f"scene{i}.txt").write_text(f"SCENE {i}.\n" + PLAY * (3 + i))
+    corpus = write_corpus(tmp / "corpus")
     return write_recipe(tmp / "unit.toml", corpus)
 
 

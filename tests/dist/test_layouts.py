@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import PLAY, run_cli, write_recipe
+from tests.conftest import run_cli, write_corpus, write_recipe
 
 COMMON = ["model.name=tiny", "train.max_steps=20", "train.micro_batch_size=2", "train.eval_every=10",
           "log.every_steps=1", "checkpoint.interval_steps=10"]
@@ -45,10 +45,7 @@ class Baselines:
     """Single-process runs of the recipe, made once each and shared by the layouts."""
 
     def __init__(self, tmp: Path):
-        corpus = tmp / "corpus"
-        corpus.mkdir()
-        for i in range(6):
-            (corpus / f"scene{i}.txt").write_text(f"SCENE {i}.\n" + PLAY * (3 + i))
+        corpus = write_corpus(tmp / "corpus")
         self.recipe = write_recipe(tmp / "unit.toml", corpus)
         self._losses: dict[int, dict] = {}
 

@@ -24,7 +24,8 @@ from tests.dist.plan_worker import SavedBytes
 from trainbook.model import build_model
 from trainbook.parallel.apply import _SAVE_OPS, parallelize
 from trainbook.parallel.dims import resolve_dims
-from trainbook.parallel.plan import _rank_of, plan_command, simulate
+from trainbook.parallel.plan import _rank_of, simulate
+from trainbook.train.planning import plan_command
 from trainbook.precision import Precision
 from trainbook.train.run import resolve_config
 from trainbook.train.step import lm_loss

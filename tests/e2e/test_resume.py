@@ -17,7 +17,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from tests.conftest import PLAY, run_cli, write_recipe
+from tests.conftest import run_cli, write_corpus, write_recipe
 from trainbook.checkpoint import load_state, read_latest
 from trainbook.config import load_config
 from trainbook.model import build_model, resolve
@@ -44,10 +44,7 @@ def _run(recipe: Path, run_dir: Path, *extra: str, fault: str | None = None) -> 
 def setup(tmp_path_factory):
     """The recipe and one uninterrupted run of it: the series every resumed run must equal."""
     tmp = tmp_path_factory.mktemp("resume")
-    corpus = tmp / "corpus"
-    corpus.mkdir()
-    for i in range(6):
-        (corpus / f"scene{i}.txt").write_text(f"SCENE {i}.\n" + PLAY * (3 + i))
+    corpus = write_corpus(tmp / "corpus")
     recipe = write_recipe(tmp / "unit.toml", corpus)
     straight = tmp / "straight"
     done = _run(recipe, straight)

@@ -21,13 +21,10 @@ def _jsonl(path: Path) -> list[dict]:
 @pytest.fixture(scope="module")
 def finished_run(tmp_path_factory):
     """One small run shared by the tests below (training is the slow part)."""
-    from tests.conftest import PLAY
+    from tests.conftest import write_corpus
 
     tmp = tmp_path_factory.mktemp("e2e")
-    corpus = tmp / "corpus"
-    corpus.mkdir()
-    for i in range(6):
-        (corpus / f"scene{i}.txt").write_text(f"SCENE {i}.\n" + PLAY * (3 + i))
+    corpus = write_corpus(tmp / "corpus")
     recipe = write_recipe(tmp / "unit.toml", corpus)
     run_dir = tmp / "run"
     done = run_cli("run", str(recipe), "train.max_steps=6", "--run-dir", str(run_dir), cwd=tmp)

@@ -18,17 +18,15 @@ exchange redistributes it (tied, pp > 1).
 from __future__ import annotations
 
 import dataclasses
-import json
 import re
 import warnings
-from pathlib import Path
 
 import torch
 from torch import nn
 
-from trainbook.config import Config, load_config
+from trainbook.config import Config
 from trainbook.errors import TrainbookError
-from trainbook.model import build_model, num_params, resolve
+from trainbook.model import build_model, num_params
 from trainbook.parallel.dims import MESH_DIMS, ParallelDims, resolve_dims
 
 WHERE_MEMORY = "--device-memory"
@@ -182,33 +180,6 @@ def _describe(p: torch.Tensor, replicated_grad: bool) -> dict:
 
 
 # ---- the plan ----------------------------------------------------------------------------------
-
-def plan_command(recipe: Path, overrides: list[str], world_size: int, device_memory: str | None,
-                 as_json: bool) -> str:
-    """What `trainbook plan` prints: the plan of `recipe` (+ overrides) on `world_size` ranks."""
-    limit = parse_size(device_memory) if device_memory is not None else None
-    if world_size < 1:
-        raise TrainbookError(f"must be at least 1, got {world_size}", where="--world-size")
-    cfg = _resolve_config(Path(recipe), overrides, world_size)
-    plan = make_plan(cfg, world_size, limit, recipe=str(recipe))
-    return json.dumps(plan, indent=2) if as_json else render(plan)
-
-
-def _resolve_config(recipe: Path, overrides: list[str], world_size: int) -> Config:
-    """The recipe as `trainbook run` resolves it (train.run.resolve_config; parallel/ may not import
-    train/, so its checks are repeated here): registry entry filled in, layout checked."""
-    cfg = load_config(recipe, overrides)
-    try:
-        cfg = cfg.model_copy(update={"model": resolve(cfg.model)})
-    except TrainbookError as e:
-        e.where = f"{recipe}: {e.where}" if e.where else str(recipe)
-        raise
-    if cfg.train.seq_len > cfg.model.max_seq_len:
-        raise TrainbookError(f"{cfg.train.seq_len} is longer than model.max_seq_len = {cfg.model.max_seq_len}",
-                             where=f"{recipe}: train.seq_len")
-    resolve_dims(cfg, world_size, where=str(recipe))
-    return cfg
-
 
 def make_plan(cfg: Config, world_size: int, device_memory: int | None = None, recipe: str = "") -> dict:
     """The whole plan as plain data (what `--json` prints); `render` turns it into text."""

@@ -21,7 +21,8 @@ from trainbook.model import build_model, names, num_params, resolve
 from trainbook.model.llama import RMSNorm
 from trainbook.parallel.apply import tp_plan
 from trainbook.parallel.pipeline import cut_stage, model_stage_layers
-from trainbook.parallel.plan import parse_size, plan_command, render
+from trainbook.parallel.plan import parse_size, render
+from trainbook.train.planning import plan_command
 
 RECIPE = Path(__file__).resolve().parents[3] / "recipes" / "tiny-shakespeare.toml"
 TINY = ["model.name=tiny", "train.seq_len=32", "train.micro_batch_size=2"]

@@ -1,0 +1,21 @@
+"""`trainbook plan`: the recipe resolved exactly as `trainbook run` resolves it, then laid out."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from trainbook.errors import TrainbookError
+from trainbook.parallel.plan import make_plan, parse_size, render
+from trainbook.train.run import resolve_config
+
+
+def plan_command(recipe: Path, overrides: list[str], world_size: int, device_memory: str | None,
+                 as_json: bool) -> str:
+    """What `trainbook plan` prints: the plan of `recipe` (+ overrides) on `world_size` ranks."""
+    limit = parse_size(device_memory) if device_memory is not None else None
+    if world_size < 1:
+        raise TrainbookError(f"must be at least 1, got {world_size}", where="--world-size")
+    cfg = resolve_config(Path(recipe), overrides, world_size)
+    plan = make_plan(cfg, world_size, limit, recipe=str(recipe))
+    return json.dumps(plan, indent=2) if as_json else render(plan)
