@@ -137,7 +137,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--gb", type=float, default=1.2, help="target state size in GB (1e9 bytes)")
     parser.add_argument("--rounds", type=int, default=3, help="interleaved raw/sync rounds, and load rounds")
-    parser.add_argument("--async-saves", type=int, default=3, help="async saves (the first warms the buffers)")
+    parser.add_argument("--async-saves", type=int, default=6, help="async saves (the first warms the buffers)")
     parser.add_argument("--step-tokens", type=int, default=128,
                         help="tokens in the forward+backward that async staging overlaps")
     parser.add_argument("--settle", type=float, default=0.0,
@@ -234,17 +234,19 @@ def run(args: argparse.Namespace, work: Path) -> None:
         step_state = {**state, "model": state["model"].copy()}
         start = time.perf_counter()
         path = ckpt.save(200 + i, step_state)
-        call = time.perf_counter() - start
+        in_save = time.perf_counter() - start
         forward_backward(model, tokens)
         waited = time.perf_counter()
         ckpt.wait_staged()
-        call += time.perf_counter() - waited
+        in_wait = time.perf_counter() - waited
+        call = in_save + in_wait
         slowdowns.append(time.perf_counter() - start - call - computes[-1])
         blocked.append(call)
         ckpt.wait()
         committed.append(time.perf_counter() - start)
         print(f"async save {i + 1}{' (first: allocates staging buffers)' if i == 0 else ''}: "
-              f"blocked {blocked[-1]:.3f} s ({blocked[-1] / sync_median:.3f} of a sync save), committed "
+              f"blocked {blocked[-1]:.3f} s = save() {in_save:.3f} + wait_staged() {in_wait:.3f} "
+              f"({blocked[-1] / sync_median:.3f} of a sync save), committed "
               f"after {committed[-1]:.2f} s; step compute {computes[-1]:.2f} s alone, "
               f"{computes[-1] + slowdowns[-1]:.2f} s beside the save", flush=True)
         if i < args.async_saves - 1:
