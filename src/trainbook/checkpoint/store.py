@@ -212,11 +212,9 @@ class Checkpointer:
                 dcp.save(state, storage_writer=writer, no_dist=_no_dist())
                 self._commit(step, tmp, writer.fs.crcs, info, started)
             else:
-                response = dcp.async_save(state, storage_writer=writer, async_stager=self._stager,
-                                          no_dist=_no_dist())
-                self._staging, upload = response.staging_completion, response.upload_completion
-                self._in_flight = self._finisher.submit(self._finish, upload, step, tmp, writer.fs.crcs, info,
-                                                        started)
+                self._staging = Future()
+                self._in_flight = self._finisher.submit(self._save_in_background, state, writer, self._staging,
+                                                        step, tmp, info, started)
                 self._in_flight_step = step
         return self.root / f"step-{step}"
 
@@ -240,9 +238,19 @@ class Checkpointer:
     def in_flight(self) -> bool:
         return self._in_flight is not None and not self._in_flight.done()
 
-    def _finish(self, upload: Future, step: int, tmp: Path, crcs: dict, info: dict, started: float) -> None:
-        upload.result()
-        self._commit(step, tmp, crcs, info, started)
+    def _save_in_background(self, state: dict, writer: dcp.FileSystemWriter, staged: Future, step: int,
+                            tmp: Path, info: dict, started: float) -> None:
+        # All of dcp.async_save (planning, handing the state to the stager) runs here, off the
+        # training thread; `staged` tells that thread when the state has been copied aside.
+        try:
+            response = dcp.async_save(state, storage_writer=writer, async_stager=self._stager, no_dist=_no_dist())
+            response.staging_completion.result()
+        except BaseException as e:
+            staged.set_exception(e)
+            raise
+        staged.set_result(None)
+        response.upload_completion.result()
+        self._commit(step, tmp, writer.fs.crcs, info, started)
 
     def _commit(self, step: int, tmp: Path, crcs: dict[str, str], info: dict, started: float) -> None:
         files = self._own_files(tmp, crcs)

@@ -73,6 +73,7 @@ def test_async_save_stages_a_copy_and_commits_in_the_background(tmp_path):
     ckpt = Checkpointer(tmp_path, CheckpointConfig(mode="async"))
     state = _state(1)
     ckpt.save(1, state)
+    ckpt.wait_staged()  # what the trainer does before its next optimizer step
     state["model"]["w"].fill_(-5.0)  # training goes on and changes the weights
     assert ckpt.wait() == tmp_path / "step-1"
     ckpt.save(2, _state(2))
