@@ -38,29 +38,40 @@ def build_optimizer(model: nn.Module, cfg: OptimConfig, embeddings: tuple = ()) 
     )
 
 
-def optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, dict]:
+def optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer,
+                    aliases: dict[str, str] | None = None) -> dict[str, dict]:
     """Per-parameter optimizer state keyed by parameter name, tensors only.
 
     Hyperparameters are not saved: they come from the recipe (and the LR from the schedule).
     Tensors-only state means a checkpoint never needs unpickling to load.
     """
-    return {name: dict(optimizer.state[p]) for name, p in model.named_parameters() if p in optimizer.state}
+    return {name: dict(optimizer.state[p]) for name, p in _named(model, aliases) if p in optimizer.state}
 
 
-def load_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer, state: dict[str, dict]) -> None:
-    for name, p in model.named_parameters():
+def _named(model: nn.Module, aliases: dict[str, str] | None):
+    """(name the state is kept under, parameter). `aliases` renames a parameter's state: a
+    pipeline stage's copy of a tied embedding keeps its state under the embedding's name, as the
+    single-device model (where both are one parameter) does."""
+    aliases = aliases or {}
+    return [(aliases.get(name, name), p) for name, p in model.named_parameters()]
+
+
+def load_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer, state: dict[str, dict],
+                         aliases: dict[str, str] | None = None) -> None:
+    for name, p in _named(model, aliases):
         if name in state:
             optimizer.state[p] = {key: value.clone() for key, value in state[name].items()}
 
 
-def optimizer_state_like(model: nn.Module, entries: dict, prefix: str = "optim.") -> dict[str, dict]:
+def optimizer_state_like(model: nn.Module, entries: dict, prefix: str = "optim.",
+                         aliases: dict[str, str] | None = None) -> dict[str, dict]:
     """Empty tensors shaped like the optimizer state a checkpoint holds, for DCP to load into.
 
     `entries` is the checkpoint's flat key -> tensor metadata. A tensor with the parameter's
     (global) shape is allocated like the parameter, so a sharded parameter gets a sharded state.
     """
     state: dict[str, dict] = {}
-    for name, p in model.named_parameters():
+    for name, p in _named(model, aliases):
         head = f"{prefix}{name}."
         for key, meta in entries.items():
             if key.startswith(head) and "." not in key[len(head):]:

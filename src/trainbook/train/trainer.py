@@ -58,6 +58,10 @@ class Trainer:
         self.model, self.pipeline = self._build_model()
         tied = self.pipeline.tied_weight() if self.pipeline else None  # a tied copy is an embedding
         self.optimizer = build_optimizer(self.model, cfg.optim, embeddings=(tied,) if tied is not None else ())
+        # The last stage's copy of a tied embedding keeps its optimizer state under the
+        # embedding's name, so checkpoints move between pipeline and single-device layouts.
+        self.optim_aliases = {"output.weight": "tok_embeddings.weight"} \
+            if tied is not None and not self.pipeline.has_first else {}
         self.schedule = LRSchedule(cfg.schedule, cfg.optim.lr, cfg.train.max_steps)
         dims = self.rt.dims
         # Under FSDP its mixed-precision policy casts; elsewhere autocast (parallel/apply.py).
@@ -295,7 +299,7 @@ class Trainer:
         """
         return {
             "model": self.model.state_dict(),
-            "optim": optimizer_state(self.model, self.optimizer),
+            "optim": optimizer_state(self.model, self.optimizer, self.optim_aliases),
             "trainer": {"step": torch.tensor(self.step), "tokens": torch.tensor(self.tokens)},
             "data": {k: torch.tensor(v) for k, v in self.train_loader.state_dict().items()},
             "rng": {f"rank{self.rank}": rng_state()},
@@ -306,7 +310,7 @@ class Trainer:
         """Continue from checkpoint `path`: model, optimizer moments, counters, data position, RNG."""
         entries = tensor_entries(path)
         state = self.state_dict()  # model tensors are the parameters: DCP loads into them in place
-        state["optim"] = optimizer_state_like(self.model, entries)
+        state["optim"] = optimizer_state_like(self.model, entries, aliases=self.optim_aliases)
         rng_key = f"rank{self.rank}"
         if f"rng.{rng_key}.torch_cpu" not in entries:  # a checkpoint from fewer ranks
             state.pop("rng")
@@ -316,7 +320,7 @@ class Trainer:
         load_state(path, state)
         if "precision" in state:
             self.scaler.load_state_dict(state["precision"])
-        load_optimizer_state(self.model, self.optimizer, state["optim"])
+        load_optimizer_state(self.model, self.optimizer, state["optim"], self.optim_aliases)
         self.step = int(state["trainer"]["step"])
         self.tokens = int(state["trainer"]["tokens"])
         self.train_loader.load_state_dict({k: int(v) for k, v in state["data"].items()})
