@@ -55,7 +55,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 from trainbook.model import build_model
-from trainbook.model.hf import from_hf_name, load_hf_weights, model_config_from_hf
+from trainbook.model.hf import from_hf_name
+from trainbook.model.hf_import import load_hf_weights, model_config_from_hf
 from trainbook.model.llama import Llama, rope_tables
 
 def rss_mb():

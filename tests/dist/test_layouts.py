@@ -87,28 +87,21 @@ def test_layout_matches_one_process(baselines, tmp_path, layout):
     assert env["world_size"] == nproc
 
 
-def test_a_one_process_checkpoint_resumes_under_fsdp_tp(baselines, tmp_path):
-    """Resharding: step 10 of the single-process run continues on 4 ranks (FSDP2 x TP) and steps
-    11-20 match the uninterrupted single-process run."""
-    expected = baselines.losses(2)
-    checkpoint = baselines.recipe.parent / "single-mbs2" / "checkpoints" / "step-10"
-    done = run_cli("run", str(baselines.recipe), *COMMON, "parallel.dp_shard=2", "parallel.tp=2", "--nproc", "4",
-                   "--resume", str(checkpoint), "--run-dir", str(tmp_path / "resumed"), cwd=baselines.recipe.parent,
-                   timeout=600)
-    finished = "done: 20 steps" in done.stdout
-    assert done.returncode == 0 or (finished and "Signal" in done.stderr), done.stdout[-2000:] + done.stderr[-3000:]
-    got = _losses(tmp_path / "resumed")
-    assert sorted(k for k in got if k[0] == "train") == [("train", s) for s in range(11, 21)]
-    for key, value in got.items():
-        assert value == pytest.approx(expected[key], rel=1e-5), (key, value, expected[key])
+RESUMED_LAYOUTS = {  # resharding: (processes, overrides)
+    "fsdp2-tp2": LAYOUTS["fsdp2-tp2"],
+    # The tied head's copy on the last stage takes the embedding's optimizer state.
+    "pp2-1f1b": LAYOUTS["pp2-1f1b"],
+}
 
 
-def test_a_one_process_checkpoint_resumes_in_a_pipeline(baselines, tmp_path):
-    """The tied head's copy on the last stage takes the embedding's optimizer state from a
-    single-device checkpoint; steps 11-20 match the uninterrupted run."""
+@pytest.mark.parametrize("layout", RESUMED_LAYOUTS)
+def test_a_one_process_checkpoint_resumes_in_another_layout(baselines, tmp_path, layout):
+    """Step 10 of the single-process run continues in `layout`; steps 11-20 match the
+    uninterrupted single-process run."""
+    nproc, overrides = RESUMED_LAYOUTS[layout]
     expected = baselines.losses(2)
     checkpoint = baselines.recipe.parent / "single-mbs2" / "checkpoints" / "step-10"
-    done = run_cli("run", str(baselines.recipe), *COMMON, *LAYOUTS["pp2-1f1b"][1], "--nproc", "2",
+    done = run_cli("run", str(baselines.recipe), *COMMON, *overrides, "--nproc", str(nproc),
                    "--resume", str(checkpoint), "--run-dir", str(tmp_path / "resumed"), cwd=baselines.recipe.parent,
                    timeout=600)
     finished = "done: 20 steps" in done.stdout

@@ -6,7 +6,8 @@ import json
 from pathlib import Path
 
 from trainbook.errors import TrainbookError
-from trainbook.parallel.plan import make_plan, parse_size, render
+from trainbook.parallel.plan import make_plan, parse_size
+from trainbook.parallel.plan_text import render
 from trainbook.train.run import resolve_config
 
 

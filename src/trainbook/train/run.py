@@ -58,7 +58,7 @@ def hf_dir(init_from: str) -> Path:
 def with_hf_model(cfg: Config) -> Config:
     """The model section filled from (or checked against) `init_from`'s config.json, and the
     directory's tokenizer as the run's tokenizer."""
-    from trainbook.model.hf import check_against_recipe, hf_tokenizer_config, model_config_from_hf
+    from trainbook.model.hf_import import check_against_recipe, hf_tokenizer_config, model_config_from_hf
 
     path = hf_dir(cfg.model.init_from)
     imported = model_config_from_hf(path)

@@ -109,7 +109,7 @@ class Trainer:
 
     def _import_model(self):
         """A Hugging Face Llama's weights, grown to the recipe's vocabulary if that is larger."""
-        from trainbook.model.hf import load_hf_weights, model_config_from_hf
+        from trainbook.model.hf_import import load_hf_weights, model_config_from_hf
         from trainbook.train.run import hf_dir
 
         m, path = self.cfg.model, hf_dir(self.cfg.model.init_from)

@@ -19,9 +19,9 @@ from trainbook.config import Config, ModelConfig, TokenizerConfig, dump_toml
 from trainbook.data.tokenizer import build_tokenizer
 from trainbook.errors import TrainbookError
 from trainbook.model import build_model
-from trainbook.model.hf import (
-    FROM_HF, check_against_recipe, hf_tokenizer_config, load_hf_weights, model_config_from_hf, to_hf_name,
-)  # fmt: skip
+from trainbook.model.hf import to_hf_name
+from trainbook.model.hf_import import check_against_recipe, hf_tokenizer_config, load_hf_weights, model_config_from_hf
+from trainbook.model.registry import FROM_HF
 
 transformers = pytest.importorskip("transformers")
 

@@ -21,7 +21,8 @@ from trainbook.model import build_model, names, num_params, resolve
 from trainbook.model.llama import RMSNorm
 from trainbook.parallel.apply import tp_plan
 from trainbook.parallel.pipeline import cut_stage, model_stage_layers
-from trainbook.parallel.plan import parse_size, render
+from trainbook.parallel.plan import parse_size
+from trainbook.parallel.plan_text import render
 from trainbook.train.planning import plan_command
 
 RECIPE = Path(__file__).resolve().parents[3] / "recipes" / "tiny-shakespeare.toml"

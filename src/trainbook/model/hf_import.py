@@ -1,0 +1,446 @@
+"""Import a Hugging Face Llama directory (`model.init_from = "hf:PATH"`), as `save_pretrained` writes it.
+
+- `model_config_from_hf`: `config.json` -> a complete ModelConfig named "from_hf", or a one-line
+  error naming what trainbook cannot run (another architecture, scaled RoPE, biases, ...);
+- `check_against_recipe`: that config against a recipe's named model, field by field;
+- `load_hf_weights`: `model.safetensors` or an index and its shards -> a built model's parameters,
+  one tensor at a time (see there for the memory this costs); never unpickles anything;
+- `hf_tokenizer_config`: the directory's `tokenizer.json` / `tokenizer.model` as `[tokenizer]`
+  settings.
+Names map through the table in `model/hf.py`.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections import defaultdict
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+from pydantic import ValidationError
+from safetensors import safe_open
+
+from trainbook.config.schema import ModelConfig
+from trainbook.errors import TrainbookError
+from trainbook.model.hf import to_hf_name
+from trainbook.model.registry import FROM_HF, is_resolved, resolve
+
+if TYPE_CHECKING:
+    from trainbook.model.llama import Llama
+
+# ---- config.json -> ModelConfig ---------------------------------------------------------
+
+ARCHITECTURE = "LlamaForCausalLM"
+CONFIG_FILE = "config.json"
+
+# ModelConfig field -> (config.json key, the default transformers' LlamaConfig gives a key left
+# out, or None where trainbook requires the key). n_kv_heads and rope_theta are read apart.
+_FROM_CONFIG = {
+    "dim": ("hidden_size", None),
+    "n_layers": ("num_hidden_layers", None),
+    "n_heads": ("num_attention_heads", None),
+    "vocab_size": ("vocab_size", None),
+    "ffn_dim": ("intermediate_size", None),
+    "norm_eps": ("rms_norm_eps", 1e-6),
+    "max_seq_len": ("max_position_embeddings", 2048),
+    "tie_embeddings": ("tie_word_embeddings", False),
+    "init_std": ("initializer_range", 0.02),
+}
+_HF_KEY = {f: key for f, (key, _) in _FROM_CONFIG.items()} | {
+    "n_kv_heads": "num_key_value_heads", "rope_theta": "rope_theta"
+}  # fmt: skip
+
+
+def read_hf_config(path: Path) -> dict:
+    """The parsed `config.json` of Hugging Face model directory `path`."""
+    path = Path(path)
+    if not path.is_dir():
+        why = "not a directory (a Hugging Face model directory holds config.json and the weights)"
+        raise TrainbookError(why, where=str(path))
+    file = path / CONFIG_FILE
+    if not file.is_file():
+        raise TrainbookError(f"no {CONFIG_FILE}: not a Hugging Face model directory", where=str(path))
+    try:
+        config = json.loads(file.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, ValueError) as e:
+        raise TrainbookError(f"not valid JSON: {e}", where=str(file)) from None
+    if not isinstance(config, dict):
+        raise TrainbookError("not a JSON object", where=str(file))
+    return config
+
+
+def model_config_from_hf(path: Path) -> ModelConfig:
+    """The trainbook model equal to the `LlamaForCausalLM` in directory `path`: every field set
+    (a resolved config, so `build_model` takes it as is), named "from_hf".
+
+    Anything trainbook would compute differently from transformers is a TrainbookError naming
+    it, where= the config.json: another architecture, scaled RoPE, biases, another activation, a
+    head_dim other than hidden_size / num_attention_heads.
+    """
+    config = read_hf_config(path)
+    where = str(Path(path) / CONFIG_FILE)
+    _check_architecture(config, where)
+    _check_features(config, where)
+    values = {}
+    for field, (key, default) in _FROM_CONFIG.items():
+        if config.get(key) is None and default is None:
+            raise TrainbookError(f"'{key}' is missing", where=where)
+        values[field] = default if config.get(key) is None else config[key]
+    values["n_kv_heads"] = config.get("num_key_value_heads") or values["n_heads"]
+    values["rope_theta"] = _rope_theta(config)
+    try:
+        cfg = ModelConfig(name=FROM_HF, **values)
+    except ValidationError as e:
+        err = e.errors()[0]
+        key = _HF_KEY.get(str(err["loc"][0]), err["loc"][0])
+        raise TrainbookError(f"'{key}': {err['msg']} (got {err['input']!r})", where=where) from None
+    _check_heads(cfg, config, where)
+    return cfg
+
+
+def _check_architecture(config: dict, where: str) -> None:
+    archs = config.get("architectures") or []
+    archs = archs if isinstance(archs, list) else [archs]
+    model_type = config.get("model_type")
+    if not archs and model_type is None:
+        why = f"names no architecture ('architectures', 'model_type'); trainbook imports {ARCHITECTURE}"
+        raise TrainbookError(why, where=where)
+    other = [a for a in archs if a != ARCHITECTURE]
+    if not other and model_type not in (None, "llama"):
+        other = [model_type]
+    if other:
+        raise TrainbookError(
+            f"unsupported architecture '{other[0]}' (trainbook imports {ARCHITECTURE})", where=where
+        )
+
+
+def _check_features(config: dict, where: str) -> None:
+    """Llama variants that load into the same shapes but compute something else: all named."""
+    problems = []
+    scaling = _rope_scaling(config)
+    if scaling is not None:
+        problems.append(f"RoPE scaling '{scaling}' (trainbook's RoPE is unscaled)")
+    for key in ("attention_bias", "mlp_bias"):
+        if config.get(key):
+            problems.append(f"{key}=true (trainbook's Llama has no biases)")
+    act = config.get("hidden_act", "silu")
+    if act != "silu":
+        problems.append(f"hidden_act='{act}' (trainbook's SwiGLU uses silu)")
+    if problems:
+        raise TrainbookError("unsupported: " + "; ".join(problems), where=where)
+
+
+def _check_heads(cfg: ModelConfig, config: dict, where: str) -> None:
+    # The registry's shape checks, in config.json's words.
+    if cfg.dim % cfg.n_heads:
+        why = f"hidden_size={cfg.dim} is not divisible by num_attention_heads={cfg.n_heads}"
+        raise TrainbookError(why, where=where)
+    if cfg.n_heads % cfg.n_kv_heads:
+        why = f"num_attention_heads={cfg.n_heads} is not a multiple of num_key_value_heads={cfg.n_kv_heads}"
+        raise TrainbookError(why, where=where)
+    head_dim = cfg.dim // cfg.n_heads
+    if config.get("head_dim") not in (None, head_dim):
+        why = (f"unsupported: head_dim={config['head_dim']} is not hidden_size / num_attention_heads "
+               f"= {head_dim} (trainbook derives head_dim from them)")  # fmt: skip
+        raise TrainbookError(why, where=where)
+    if head_dim % 2:
+        raise TrainbookError(f"head_dim={head_dim} is odd; RoPE needs an even head_dim", where=where)
+
+
+def _rope_scaling(config: dict) -> str | None:
+    """The RoPE scaling `config` asks for; None for plain RoPE. transformers 5 writes
+    `rope_parameters: {rope_type, rope_theta, ...}`, 4.x wrote `rope_scaling` (null: none)."""
+    scaling = config.get("rope_scaling")
+    if scaling is not None:
+        kind = scaling.get("rope_type", scaling.get("type")) if isinstance(scaling, dict) else None
+        if kind != "default":
+            return str(kind or scaling)
+    params = config.get("rope_parameters")
+    if isinstance(params, dict) and params.get("rope_type", "default") != "default":
+        return str(params["rope_type"])
+    return None
+
+
+def _rope_theta(config: dict) -> float:
+    params = config.get("rope_parameters")
+    if isinstance(params, dict) and params.get("rope_theta") is not None:
+        return params["rope_theta"]
+    return config["rope_theta"] if config.get("rope_theta") is not None else 10000.0
+
+
+# Fields whose difference changes what the imported weights compute (shapes, RoPE base, norm
+# epsilon, tying). max_seq_len and init_std are the recipe's to choose.
+_SAME_AS_IMPORTED = ("dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim", "norm_eps", "rope_theta",
+                     "tie_embeddings")  # fmt: skip
+
+
+def check_against_recipe(hf_cfg: ModelConfig, recipe_cfg: ModelConfig) -> None:
+    """Raise unless recipe model `recipe_cfg` can take the weights of imported model `hf_cfg`.
+
+    A recipe naming a registry entry is resolved and compared on every field of
+    `_SAME_AS_IMPORTED`; a recipe named "from_hf" only on the fields it sets. `vocab_size` may be
+    larger in the recipe (a vocabulary resize grows the imported embedding), not smaller.
+    The error names the recipe key and both values.
+    """
+    recipe = recipe_cfg
+    if recipe.name != FROM_HF and not is_resolved(recipe):
+        recipe = resolve(recipe)
+    for field in _SAME_AS_IMPORTED:
+        ours, theirs = getattr(recipe, field), getattr(hf_cfg, field)
+        if ours is not None and ours != theirs:
+            raise TrainbookError(
+                f"the recipe's model has {field}={ours}, the Hugging Face model "
+                f"{_HF_KEY[field]}={theirs}",
+                where=f"model.{field}",
+            )
+    if recipe.vocab_size is not None and recipe.vocab_size < hf_cfg.vocab_size:
+        raise TrainbookError(
+            f"the recipe's model has vocab_size={recipe.vocab_size}, smaller than the Hugging Face "
+            f"model's {hf_cfg.vocab_size} (a vocabulary can grow on import, not shrink)",
+            where="model.vocab_size",
+        )
+
+
+# ---- import: weights ----------------------------------------------------------------------------
+
+WEIGHTS_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+_FLOAT_DTYPES = ("F32", "BF16", "F16", "F64")
+_MAX_ITEMSIZE = 8  # bytes per element of the widest of them
+# Most file bytes one read maps at a time: small beside any model worth importing, big enough
+# that the opens cost nothing (a 1.25 GB fp32 file: ~80 of them in ~2 s of reading).
+_CHUNK_BYTES = 64 * 2**20
+# Buffers some older transformers versions saved; both sides derive them from the config.
+_DERIVED = re.compile(r"model\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq")
+
+
+@torch.no_grad()
+def load_hf_weights(model: Llama, path: Path) -> None:
+    """Copy the weights of Hugging Face directory `path` into built `model`, converting dtype.
+
+    Checked from the files' headers before anything is copied (a failed import leaves the model
+    as it was): every parameter has a tensor, of its shape and a float dtype, and every tensor
+    maps to a parameter (old `rotary_emb.inv_freq` buffers aside). A tied model's head is its
+    embedding: a `lm_head.weight` in the files is ignored, as transformers does; an untied model
+    needs one.
+
+    Memory: the model plus at most `_CHUNK_BYTES`. safetensors memory-maps the file, and the
+    pages a mapping has read stay resident, counted in the process's RSS, until it closes: one
+    `safe_open` per file would hold a whole shard (+1.0 GB reading a 1 GB file), one per tensor
+    the largest tensor (+0.26 GB there, a 32K x 2048 fp32 embedding). So each block of rows of
+    at most `_CHUNK_BYTES` gets a `safe_open` of its own (benchmarks/hf_import.py). Nothing is
+    unpickled.
+    """
+    path = Path(path)
+    files = _weight_files(path)  # HF name -> the file holding it
+    params = dict(model.named_parameters(remove_duplicate=False))
+    sources = _sources(model, params)  # trainbook parameter name -> HF name it is read from
+    _check_names(files, set(sources.values()), model.cfg.tie_embeddings, path)
+    _check_headers(files, sources, params)
+    for name, hf_name in sources.items():
+        dest = params[name]
+        row_bytes = dest[0].numel() * _MAX_ITEMSIZE
+        rows = max(1, _CHUNK_BYTES // row_bytes)
+        for start in range(0, dest.shape[0], rows):
+            with _open(files[hf_name]) as f:
+                dest[start : start + rows].copy_(f.get_slice(hf_name)[start : start + rows])
+
+
+def _sources(model: Llama, params: dict) -> dict[str, str]:
+    sources = {}
+    for name, param in params.items():
+        assert not param.is_meta, f"{name} is on the meta device: materialise the model first"
+        if name == "output.weight" and model.cfg.tie_embeddings:
+            if params.get("tok_embeddings.weight") is param:
+                continue  # the same tensor: read once, as the embedding
+            sources[name] = to_hf_name("tok_embeddings.weight")  # a head untied by hand (to_empty)
+        else:
+            sources[name] = to_hf_name(name)
+    return sources
+
+
+def _weight_files(path: Path) -> dict[str, Path]:
+    if not path.is_dir():
+        raise TrainbookError("not a directory", where=str(path))
+    index, single = path / INDEX_FILE, path / WEIGHTS_FILE
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
+            files = {str(name): path / shard for name, shard in weight_map.items()}
+        except (UnicodeDecodeError, ValueError, KeyError, TypeError, AttributeError):
+            raise TrainbookError("not a safetensors index (no 'weight_map')", where=str(index)) from None
+        missing = sorted({f.name for f in files.values() if not f.is_file()})
+        if missing:
+            more = f" and {len(missing) - 1} more" if len(missing) > 1 else ""
+            raise TrainbookError(f"shard '{missing[0]}'{more} named here is missing", where=str(index))
+        return files
+    if single.is_file():
+        with _open(single) as f:
+            return {name: single for name in f.keys()}
+    if any(path.glob("pytorch_model*.bin")):
+        raise TrainbookError(
+            "the weights here are PyTorch pickles (pytorch_model.bin), which trainbook never loads "
+            "(unpickling can run code): convert them to safetensors first",
+            where=str(path),
+        )
+    raise TrainbookError(f"no weights: neither {WEIGHTS_FILE} nor {INDEX_FILE}", where=str(path))
+
+
+def _check_names(files: dict[str, Path], wanted: set[str], tied: bool, path: Path) -> None:
+    ignored = {n for n in files if _DERIVED.fullmatch(n)}
+    if tied:
+        ignored.add(to_hf_name("output.weight"))
+    unknown = sorted(set(files) - wanted - ignored)
+    if unknown:
+        why = f"the weights have {_few(unknown)}, which this model (config.json) has no parameter for"
+        raise TrainbookError(why, where=str(path))
+    missing = sorted(wanted - set(files))
+    if to_hf_name("output.weight") in missing:
+        raise TrainbookError(
+            "the weights have no 'lm_head.weight', and the model does not tie its output head "
+            "to the embedding (tie_word_embeddings is false)",
+            where=str(path),
+        )
+    if missing:
+        raise TrainbookError(f"the weights lack {_few(missing)}", where=str(path))
+
+
+def _check_headers(files: dict[str, Path], sources: dict[str, str], params: dict) -> None:
+    by_file = defaultdict(list)
+    for name, hf_name in sources.items():
+        by_file[files[hf_name]].append((name, hf_name))
+    for file, pairs in by_file.items():
+        with _open(file) as f:
+            present = set(f.keys())
+            for name, hf_name in pairs:
+                if hf_name not in present:
+                    raise TrainbookError(f"no '{hf_name}' here, though the index says so", where=str(file))
+                piece = f.get_slice(hf_name)
+                shape, want = list(piece.get_shape()), list(params[name].shape)
+                if shape != want:
+                    why = f"'{hf_name}' has shape {shape} in the weights, the model's '{name}' {want}"
+                    raise TrainbookError(why, where=str(file))
+                if piece.get_dtype() not in _FLOAT_DTYPES:
+                    why = (f"'{hf_name}' is {piece.get_dtype()}; trainbook imports float weights "
+                           f"({', '.join(_FLOAT_DTYPES)}), not quantised ones")  # fmt: skip
+                    raise TrainbookError(why, where=str(file))
+
+
+def _open(file: Path):
+    """`safe_open` for torch, a corrupt file being a one-line error naming it."""
+    try:
+        return safe_open(str(file), framework="pt")
+    except Exception as e:  # SafetensorError, or OSError from the Rust side
+        raise TrainbookError(f"not a readable safetensors file: {_one_line(e)}", where=str(file)) from None
+
+
+def _few(names: list[str], n: int = 3) -> str:
+    shown = ", ".join(f"'{x}'" for x in names[:n])
+    return shown + (f" and {len(names) - n} more" if len(names) > n else "")
+
+
+def _one_line(e: BaseException) -> str:
+    return " ".join(str(e).split()) or type(e).__name__
+
+
+# ---- import: tokenizer --------------------------------------------------------------------------
+
+TOKENIZER_JSON, SP_MODEL, TOKENIZER_CONFIG = "tokenizer.json", "tokenizer.model", "tokenizer_config.json"
+
+
+def hf_tokenizer_config(path: Path) -> dict:
+    """`[tokenizer]` settings (TokenizerConfig fields) for the tokenizer of HF directory `path`.
+
+    `tokenizer.json` -> kind "hf" (preferred when both are there: it is what transformers runs),
+    else `tokenizer.model` -> kind "sentencepiece". Specials: `tokenizer_config.json`'s
+    `{eos,bos,pad}_token`, else `config.json`'s `*_token_id` looked up in the tokenizer; one
+    found neither way, or naming a token the tokenizer lacks, is left out (the tokenizer's own
+    then applies).
+
+    `add_bos`: whether transformers' tokenizer prepends BOS under its default
+    `add_special_tokens=True`. For `tokenizer.json` its post-processor decides (transformers 5
+    ignores `add_bos_token` for such files); for `tokenizer.model`, `add_bos_token` in
+    tokenizer_config.json, true by default as in transformers' LlamaTokenizer. So trainbook's ids
+    equal transformers' with its defaults, except that trainbook adds no other special token (a
+    post-processor's trailing EOS): packing puts EOS between documents.
+    """
+    path = Path(path)
+    if (path / TOKENIZER_JSON).is_file():
+        kind, file = "hf", path / TOKENIZER_JSON
+    elif (path / SP_MODEL).is_file():
+        kind, file = "sentencepiece", path / SP_MODEL
+    else:
+        raise TrainbookError(f"no tokenizer: neither {TOKENIZER_JSON} nor {SP_MODEL}", where=str(path))
+    vocab = _Vocab(kind, file)
+    tok_config = _optional_json(path / TOKENIZER_CONFIG)
+    model_config = _optional_json(path / CONFIG_FILE)
+    settings: dict = {"kind": kind, "path": str(file)}
+    for name in ("eos", "bos", "pad"):
+        token = _token_text(tok_config.get(f"{name}_token"))
+        if token is None:
+            token_id = model_config.get(f"{name}_token_id")
+            if isinstance(token_id, list):  # e.g. Llama 3.1 Instruct's several EOS ids
+                token_id = token_id[0] if token_id else None
+            token = vocab.id_to_token(token_id) if isinstance(token_id, int) else None
+        if token is not None and vocab.token_to_id(token) is not None:
+            settings[f"{name}_token"] = token
+    bos = settings.get("bos_token")
+    if kind == "hf":
+        settings["add_bos"] = bos is not None and vocab.prepends(bos)
+    else:
+        settings["add_bos"] = bos is not None and bool(tok_config.get("add_bos_token", True))
+    return settings
+
+
+class _Vocab:
+    """The few look-ups `hf_tokenizer_config` needs, over either library."""
+
+    def __init__(self, kind: str, file: Path):
+        try:
+            if kind == "hf":
+                import tokenizers
+
+                self._hf = tokenizers.Tokenizer.from_file(str(file))
+            else:
+                import sentencepiece
+
+                self._sp = sentencepiece.SentencePieceProcessor(model_file=str(file))
+        except Exception as e:  # both libraries raise plain Exception/RuntimeError when parsing
+            raise TrainbookError(f"not a readable tokenizer: {_one_line(e)}", where=str(file)) from None
+        self.kind = kind
+
+    def id_to_token(self, i: int) -> str | None:
+        if self.kind == "hf":
+            return self._hf.id_to_token(i)
+        return self._sp.id_to_piece(i) if 0 <= i < self._sp.get_piece_size() else None
+
+    def token_to_id(self, token: str) -> int | None:
+        if self.kind == "hf":
+            return self._hf.token_to_id(token)
+        i = self._sp.piece_to_id(token)  # unk_id for a piece it does not have
+        return None if i == self._sp.unk_id() and self._sp.id_to_piece(i) != token else i
+
+    def prepends(self, token: str) -> bool:
+        """True when encoding with the post-processor's specials puts `token` first."""
+        plain = self._hf.encode("a", add_special_tokens=False).ids
+        full = self._hf.encode("a", add_special_tokens=True).ids
+        return full[:1] == [self.token_to_id(token)] and plain[:1] != full[:1]
+
+
+def _token_text(value) -> str | None:
+    # tokenizer_config.json writes a special as a string, or as an AddedToken object.
+    if isinstance(value, dict):
+        value = value.get("content")
+    return value if isinstance(value, str) else None
+
+
+def _optional_json(file: Path) -> dict:
+    if not file.is_file():
+        return {}
+    try:
+        data = json.loads(file.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, ValueError) as e:
+        raise TrainbookError(f"not valid JSON: {e}", where=str(file)) from None
+    return data if isinstance(data, dict) else {}

@@ -1,0 +1,126 @@
+"""`trainbook plan`'s text: the plan (plain data from `parallel.plan.make_plan`) as a report."""
+
+from __future__ import annotations
+
+import re
+
+from trainbook.parallel.plan import human
+
+
+def render(plan: dict) -> str:
+    """The plan for people: mesh, stages, placements, batch, gradient path, memory, verdict."""
+    m, mesh, b = plan["model"], plan["mesh"], plan["batch"]
+    sizes = mesh["sizes"]
+    lines = [f"plan: {plan['recipe'] or 'recipe'} on {plan['world_size']} rank(s)",
+             f"model {m['name']}: {m['params']:,} parameters ({m['n_layers']} layers, dim {m['dim']}, "
+             f"{m['n_heads']} heads / {m['n_kv_heads']} kv heads, ffn {m['ffn_dim']}, vocab {m['vocab_size']}"
+             f"{', tied embeddings' if m['tie_embeddings'] else ''}); weights fp32, compute "
+             f"{plan['precision']['compute']}", ""]
+
+    layout = " x ".join(f"{k} {v}" for k, v in sizes.items())
+    lines += [f"Mesh: {layout} (rank = row-major over pp, dp_replicate, dp_shard, tp; tp innermost)"]
+    for name, role in mesh["roles"].items():
+        lines.append(f"  {name:<13}{sizes[name]:>4}  {role}: {_groups(mesh['groups'][name])}")
+    if not mesh["roles"]:
+        lines.append("  one rank: no communication")
+    lines.append(f"  same data (one data-parallel rank each): {_groups(mesh['same_data'])}")
+    lines.append("")
+
+    pipe = plan["pipeline"]
+    if pipe is None:
+        lines += [f"Pipeline: none (pp = 1); every rank runs all {m['n_layers']} blocks", ""]
+    else:
+        lines.append(f"Pipeline: {len(pipe['stages'])} stages ({pipe['split']} split), {pipe['schedule']}, "
+                     f"{pipe['microbatches']} micro-batches per pass; stage i on pp rank i % {sizes['pp']}")
+        for s in pipe["stages"]:
+            lo, hi = s["layers"][0], s["layers"][1] - 1
+            parts = (["embedding"] if s["embedding"] else []) + [f"layers {lo}-{hi}" if hi > lo else f"layer {lo}"] \
+                + (["norm + head"] if s["head"] else [])
+            lines.append(f"  stage {s['stage']}: {', '.join(parts):<38} {s['params']:>14,} params  "
+                         f"ranks {_groups([s['ranks']])}")
+        lines.append("")
+
+    lines += _param_lines(plan["params"]) + [""]
+
+    lines += ["Batch (per optimizer step)",
+              f"  {b['global_batch_tokens']:,} tokens = {b['global_samples']:,} samples of {b['seq_len']} "
+              f"= {b['accum_steps']} accumulation step(s) x {b['micro_batch_size']} samples per micro-batch x "
+              f"{b['data_parallel_ranks']} data-parallel rank(s)",
+              f"  each rank: {b['samples_per_rank']:,} samples ({b['tokens_per_rank']:,} tokens) per step, "
+              f"{b['micro_batch_size']} per forward/backward pass; tp and pp ranks of one data-parallel rank "
+              "read the same samples"]
+    if "pp_microbatches" in b:
+        lines.append(f"  the pipeline cuts each micro-batch into {b['pp_microbatches']} chunks of "
+                     f"{b['pp_microbatch_samples']} sample(s)")
+    lines += ["", "Gradient path (per optimizer step)"]
+    lines += [f"  {g['dim']:<13}{g['text']}" for g in plan["gradient_path"]] or ["  one rank: none"]
+    lines += [""] + _memory_lines(plan["memory"])
+    return "\n".join(lines)
+
+
+def _groups(groups: list[list[int]], limit: int = 4) -> str:
+    shown = " ".join(_span(g) for g in groups[:limit])
+    return shown + (f" ... ({len(groups)} groups)" if len(groups) > limit else "")
+
+
+def _span(ranks: list[int]) -> str:
+    """[0-7], [0, 8, ... 120] (a stride), [0, 1, 2, 3, ... 391 (32 ranks)], or the list itself."""
+    if len(ranks) > 2 and ranks == list(range(ranks[0], ranks[-1] + 1)):
+        return f"[{ranks[0]}-{ranks[-1]}]"
+    if len(ranks) > 4 and ranks == list(range(ranks[0], ranks[-1] + 1, ranks[1] - ranks[0])):
+        return f"[{ranks[0]}, {ranks[1]}, ... {ranks[-1]}]"
+    if len(ranks) > 8:
+        return "[" + ", ".join(map(str, ranks[:4])) + f", ... {ranks[-1]} ({len(ranks)} ranks)]"
+    return "[" + ", ".join(map(str, ranks)) + "]"
+
+
+def _param_lines(params: list[dict]) -> list[str]:
+    """Blocks collapsed: `layers.*.x` once per distinct placement, with how many blocks have it."""
+    rows: dict[tuple, list] = {}
+    for p in params:
+        key_name = re.sub(r"^layers\.\d+\.", "layers.*.", p["name"])
+        placement = ", ".join(f"{k} {v}" for k, v in p["placements"].items() if k != "pp") or "whole"
+        key = (key_name, tuple(p["shape"]), placement, tuple(p["local_shape"]), tuple(p["largest_local_shape"]))
+        row = rows.setdefault(key, [0, []])
+        row[0] += 1
+        row[1] += [p["first_rank"]] if p["first_rank"] not in row[1] else []
+    pp = any("pp" in p["placements"] for p in params)
+    lines = ["Parameters: placement per mesh dimension, local shard on the first rank holding it (and the "
+             "largest, where ranks differ)" + ("; each lives only on its stage's pp rank" if pp else "")]
+    for (name, shape, placement, local, largest), (count, first) in rows.items():
+        label = f"{name} (x{count})" if count > 1 else name
+        where = f"rank {first[0]}" if len(first) == 1 else f"ranks {'/'.join(map(str, first))}"
+        other = f" (largest {_shape(largest)})" if largest != local else ""
+        lines.append(f"  {label:<38}{_shape(shape):>14}  {placement:<38}{where}: {_shape(local)}{other}")
+    return lines
+
+
+def _shape(shape) -> str:
+    return " x ".join(map(str, shape)) or "scalar"
+
+
+def _memory_lines(mem: dict) -> list[str]:
+    """One row per set of ranks holding the same amounts (ranks with equal numbers collapsed)."""
+    mode = mem["activation_checkpoint"]
+    groups: dict[tuple, list[int]] = {}
+    for r in mem["per_rank"]:
+        key = (r["params"], r["grads"], r["optimizer"], r["transient"], r["total"],
+               tuple(r["activations"][k]["peak"] for k in ("none", "full", "selective")))
+        groups.setdefault(key, []).append(r["rank"])
+    width = max(len("ranks"), *(len(_span(ranks)) for ranks in groups.values())) + 2
+    lines = [f"Memory per rank (exact: parameters, gradients, AdamW states; estimated: activations at the "
+             f"configured activation_checkpoint = {mode}, communication buffers)",
+             f"  {'ranks':<{width}}{'params':>10}{'grads':>10}{'optimizer':>11}{'activations':>13}"
+             f"{'buffers':>10}{'total':>10}   activations none / full / selective (peak)"]
+    for (params, grads, optim, transient, total, acts), ranks in groups.items():
+        act = acts[("none", "full", "selective").index(mode)]
+        lines.append(f"  {_span(ranks):<{width}}{human(params):>10}{human(grads):>10}{human(optim):>11}"
+                     f"{human(act):>13}{human(transient):>10}{human(total):>10}   "
+                     + " / ".join(human(a) for a in acts))
+    if mem["ranks_covered"] < mem["world_size"]:
+        lines.append(f"  ({mem['ranks_covered']} of {mem['world_size']} ranks: the first and last dp_shard and tp "
+                     "index of each pipeline rank; the first holds the largest shards)")
+    if mem["device_memory"] is not None:
+        lines += ["", mem["verdict"]]
+    return lines
+
