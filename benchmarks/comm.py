@@ -16,14 +16,16 @@ from __future__ import annotations
 
 import argparse
 
-from trainbook.parallel.comm_bench import DTYPES, bench_comm_command, parse_bytes
+from trainbook.commands.bench import bench_comm_command
+from trainbook.parallel.comm_bench import DTYPES
+from trainbook.sizes import parse_size
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--nproc", type=int, default=2, help="ranks on this machine")
-    parser.add_argument("--min-bytes", type=parse_bytes, default="1KiB")
-    parser.add_argument("--max-bytes", type=parse_bytes, default="64MiB")
+    parser.add_argument("--min-bytes", type=lambda t: parse_size(t, where="--min-bytes"), default="1KiB")
+    parser.add_argument("--max-bytes", type=lambda t: parse_size(t, where="--max-bytes"), default="64MiB")
     parser.add_argument("--iters", type=int, default=20, help="timed calls per op and size")
     parser.add_argument("--warmup", type=int, default=5, help="untimed calls before them")
     parser.add_argument("--dtype", choices=DTYPES, default="float32")

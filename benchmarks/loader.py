@@ -12,10 +12,11 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from trainbook.cli import default_recipe
+from trainbook.commands.bench import loader_rate, training_rate
+from trainbook.commands.preflight import prepare_data
+from trainbook.commands.recipe import default_recipe
+from trainbook.commands.resolve import resolve
 from trainbook.parallel import pick_device
-from trainbook.train.bench import loader_rate, training_rate
-from trainbook.train.run import prepare_data, resolve_config
 
 
 def main() -> None:
@@ -26,8 +27,9 @@ def main() -> None:
     args = parser.parse_args()
 
     recipe = Path(args.recipe) if args.recipe else default_recipe()
-    cfg = resolve_config(recipe, args.overrides)
-    data = prepare_data(cfg, recipe, log=lambda _: None)
+    res = resolve(recipe, args.overrides, world_size=1)
+    cfg = res.cfg
+    data = prepare_data(res, log=lambda _: None)
     train_tps, source = training_rate(cfg, data, pick_device(cfg.run.device))
     print(f"training consumes {train_tps:,.0f} tokens/s (from {source})")
     for workers in (0, 1, 2):

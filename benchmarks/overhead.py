@@ -19,10 +19,11 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from trainbook.cli import default_recipe
+from trainbook.commands.preflight import prepare_data
+from trainbook.commands.recipe import default_recipe
+from trainbook.commands.resolve import resolve
 from trainbook.data import TrainLoader
 from trainbook.model import build_model
-from trainbook.train.run import prepare_data, resolve_config
 from trainbook.train.trainer import Trainer
 
 
@@ -52,8 +53,9 @@ def main() -> None:
 
     recipe = Path(args.recipe) if args.recipe else default_recipe()
     overrides = [*args.overrides, "log.progress=plain", "log.every_steps=1000000", "train.eval_every=0"]
-    cfg = resolve_config(recipe, overrides)
-    data = prepare_data(cfg, recipe, log=lambda _: None)
+    res = resolve(recipe, overrides, world_size=1)
+    cfg = res.cfg
+    data = prepare_data(res, log=lambda _: None)
     device = torch.device("cpu")
     t = cfg.train
 

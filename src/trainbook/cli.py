@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import signal
 import sys
 from pathlib import Path
 from typing import Annotated, Optional
@@ -11,9 +10,8 @@ from typing import Annotated, Optional
 import click
 import typer
 
+from trainbook.commands.recipe import DEFAULT_RECIPE
 from trainbook.errors import TrainbookError
-
-DEFAULT_RECIPE = "recipes/tiny-shakespeare.toml"
 
 app = typer.Typer(
     add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
@@ -24,28 +22,6 @@ RecipeArg = Annotated[
     Optional[str], typer.Argument(help=f"Recipe TOML (default: {DEFAULT_RECIPE}).", show_default=False)
 ]
 OverridesArg = Annotated[Optional[list[str]], typer.Argument(help="key.path=value overrides.", show_default=False)]
-
-
-def _recipe_and_overrides(
-    recipe: str | None, overrides: list[str] | None, fallback: Path | None = None
-) -> tuple[Path, list[str]]:
-    """`trainbook run train.max_steps=5` means the default recipe (or `fallback`) with one override."""
-    overrides = list(overrides or [])
-    if recipe is not None and "=" in recipe and not recipe.endswith(".toml"):
-        overrides.insert(0, recipe)
-        recipe = None
-    if recipe is None:
-        return fallback or default_recipe(), overrides
-    path = Path(recipe)
-    if not path.is_file():
-        raise TrainbookError("recipe file not found", where=recipe)
-    return path, overrides
-
-
-def default_recipe() -> Path:
-    """The embedded default: the working directory's copy if there is one, else the packaged one."""
-    local = Path(DEFAULT_RECIPE)
-    return local if local.is_file() else Path(__file__).parent / "recipes" / local.name
 
 
 @app.command()
@@ -64,59 +40,28 @@ def run(
 
     SIGTERM or Ctrl-C saves a checkpoint after the current step and exits (128 + the signal).
     """
-    from trainbook.train.run import start_run
+    from trainbook.commands.run import run_command
 
-    path, overrides = _recipe_and_overrides(recipe, overrides, _archived_config(run_dir, resume))
-    if nproc > 1:
-        from trainbook.parallel.launch import launch
-
-        raise typer.Exit(launch(nproc, path, overrides, run_dir, resume))
-    summary = start_run(path, overrides, run_dir, resume)
-    if os.environ.get("RANK", "0") != "0":
-        return  # rank 0 reports for the run
-    loss = f", loss {summary['loss']:.4f}" if summary["loss"] is not None else ""
-    val = f", val_loss {summary['val_loss']:.4f}" if summary["val_loss"] is not None else ""
-    if summary["stopped_by"]:
-        typer.echo(f"stopped by {summary['stopped_by']} at step {summary['step']}{loss}; continue with: "
-                   f"trainbook run --run-dir {summary['run_dir']}")
-        raise typer.Exit(128 + signal.Signals[summary["stopped_by"]].value)
-    typer.echo(f"done: {summary['step']} steps{loss}{val} -> {summary['run_dir']}")
-
-
-def _archived_config(run_dir: Path | None, resume: str) -> Path | None:
-    """Continuing a run needs no recipe: the run (or the checkpoint's run) holds its resolved config."""
-    if resume == "never":
-        return None
-    candidates = [run_dir] if run_dir is not None else []
-    if resume != "auto":
-        candidates += [Path(resume), Path(resume).parent.parent]
-    for folder in candidates:
-        if (folder / "config.resolved.toml").is_file():
-            return folder / "config.resolved.toml"
-    return None
+    text, code = run_command(recipe, overrides, run_dir, resume, nproc)
+    if text:
+        typer.echo(text)
+    raise typer.Exit(code)
 
 
 @app.command()
 def prepare(recipe: RecipeArg = None, overrides: OverridesArg = None) -> None:
     """Prepare the recipe's data only: sources -> tokenizer -> token shards (cached)."""
-    from trainbook.train.run import prepare_data, resolve_config
+    from trainbook.commands.prepare import prepare_command
 
-    path, overrides = _recipe_and_overrides(recipe, overrides)
-    data = prepare_data(resolve_config(path, overrides), path, log=typer.echo)
-    state = "cached" if data.cached else "prepared"
-    splits = data.manifest["splits"]
-    typer.echo(f"{state}: {data.dir} (train {splits['train']['tokens']:,} tokens, "
-               f"val {splits['val']['tokens']:,} tokens)")
+    typer.echo(prepare_command(recipe, overrides, log=typer.echo))
 
 
 @app.command()
 def config(recipe: RecipeArg = None, overrides: OverridesArg = None) -> None:
     """Print the resolved config (after extends and overrides) as TOML."""
-    from trainbook.config import dump_toml
-    from trainbook.train.run import resolve_config
+    from trainbook.commands.prepare import config_command
 
-    path, overrides = _recipe_and_overrides(recipe, overrides)
-    typer.echo(dump_toml(resolve_config(path, overrides)), nl=False)
+    typer.echo(config_command(recipe, overrides), nl=False)
 
 
 @app.command()
@@ -128,9 +73,10 @@ def plan(
     json: Annotated[bool, typer.Option("--json", help="The plan as JSON.")] = False,
 ) -> None:
     """Show who holds what before a run: mesh, stages, placements, batch split, gradient path, memory per rank."""
-    from trainbook.train.planning import plan_command
+    from trainbook.commands.plan import plan_command
+    from trainbook.commands.recipe import recipe_and_overrides
 
-    path, overrides = _recipe_and_overrides(recipe, overrides)
+    path, overrides = recipe_and_overrides(recipe, overrides)
     typer.echo(plan_command(path, overrides, world_size, device_memory, json))
 
 
@@ -144,7 +90,7 @@ def sample(
     seed: int = 0,
 ) -> None:
     """Generate text from a run's latest checkpoint."""
-    from trainbook.train.sample import sample as generate_text
+    from trainbook.commands.sample import sample as generate_text
 
     typer.echo(generate_text(
         target, prompt, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, seed=seed
@@ -159,7 +105,7 @@ def export(
     dtype: Annotated[str, typer.Option(help="fp32 | bf16 | fp16.")] = "fp32",
 ) -> None:
     """Write a checkpoint's model weights as safetensors, or as a Hugging Face folder."""
-    from trainbook.checkpoint.export import export_command
+    from trainbook.commands.export import export_command
 
     typer.echo(export_command(target, format, out, dtype))
 
@@ -175,18 +121,9 @@ def bench_data(
     seconds: Annotated[float, typer.Option(min=0.5, help="How long to read batches.")] = 5.0,
 ) -> None:
     """Read through the recipe's loader alone; compare with what its training consumes."""
-    from trainbook.parallel import pick_device
-    from trainbook.train.bench import bench_data as run_bench
-    from trainbook.train.run import prepare_data, resolve_config
+    from trainbook.commands.bench import bench_data_command
 
-    path, overrides = _recipe_and_overrides(recipe, overrides)
-    cfg = resolve_config(path, overrides)
-    data = prepare_data(cfg, path, log=typer.echo)
-    result = run_bench(cfg, data, pick_device(cfg.run.device), seconds)
-    typer.echo(f"loader: {result.samples_per_s:,.0f} samples/s, {result.tokens_per_s:,.0f} tokens/s "
-               f"(data.num_workers={cfg.data.num_workers})")
-    typer.echo(f"training consumes {result.train_tokens_per_s:,.0f} tokens/s (from {result.train_source})")
-    typer.echo(result.verdict())
+    typer.echo(bench_data_command(recipe, overrides, seconds, log=typer.echo))
 
 
 @bench_app.command("comm")
@@ -196,13 +133,9 @@ def bench_comm(
     iters: Annotated[int, typer.Option(help="Timed iterations per size.", min=1)] = 20,
 ) -> None:
     """All-reduce, all-gather and reduce-scatter bus bandwidth over message sizes (torchrun workers)."""
-    from trainbook.parallel.comm_bench import bench_comm_command, parse_bytes
+    from trainbook.commands.bench import bench_comm_command
 
-    try:
-        size = parse_bytes(max_bytes)
-    except ValueError as e:
-        raise TrainbookError(str(e), where="--max-bytes") from None
-    typer.echo(bench_comm_command(nproc, size, iters))
+    typer.echo(bench_comm_command(nproc, max_bytes, iters))
 
 
 def main() -> None:

@@ -17,3 +17,9 @@ class TrainbookError(Exception):
 
     def __str__(self) -> str:
         return f"{self.where}: {self.message}" if self.where else self.message
+
+
+def one_line(e: BaseException, limit: int = 200) -> str:
+    """An exception's text on one line (library messages may span several), cut at `limit`."""
+    text = " ".join(str(e).split()) or type(e).__name__
+    return text if len(text) <= limit else text[: limit - 3] + "..."

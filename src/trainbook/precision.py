@@ -81,13 +81,7 @@ class Precision:
         return torch.autocast(self.device.type, dtype=self.dtype)
 
     def fsdp_policy(self):
-        """FSDP2 mixed precision: parameters gathered in the compute dtype, gradients reduced in
-        fp32 (and kept fp32 in the sharded master copy); fp32: no casts at all."""
-        from torch.distributed.fsdp import MixedPrecisionPolicy
-
-        if self.dtype == torch.float32:
-            return MixedPrecisionPolicy()
-        return MixedPrecisionPolicy(param_dtype=self.dtype, reduce_dtype=torch.float32)
+        return fsdp_policy(self.name)
 
     def loss_scaler(self) -> LossScaler:
         """Dynamic loss scaling for fp16 (settings from `[precision]`); a disabled one otherwise."""
@@ -103,6 +97,16 @@ class Precision:
             min_scale=getattr(c, "loss_scale_min", 1.0),
             device=self.device,
         )
+
+
+def fsdp_policy(dtype: str):
+    """FSDP2 mixed precision for compute dtype `dtype` (`fp32|bf16|fp16`): parameters gathered in
+    it, gradients reduced in fp32 (and kept fp32 in the sharded master copy); fp32: no casts."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    if COMPUTE_DTYPES[dtype] == torch.float32:
+        return MixedPrecisionPolicy()
+    return MixedPrecisionPolicy(param_dtype=COMPUTE_DTYPES[dtype], reduce_dtype=torch.float32)
 
 
 class LossScaler:

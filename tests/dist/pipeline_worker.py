@@ -23,7 +23,7 @@ from trainbook.config import Config, ModelConfig, ParallelConfig, TrainConfig
 from trainbook.model import build_model, resolve
 from trainbook.parallel.dims import resolve_dims
 from trainbook.parallel.pipeline import build_pipeline
-from trainbook.train.step import lm_loss
+from trainbook.train.engine import lm_loss
 
 STEPS, ACCUM, B, T, VOCAB, LR, CLIP = 3, 2, 4, 16, 128, 1e-2, 0.5
 
@@ -49,7 +49,7 @@ def run_case(case: str, out_dir: Path) -> None:
         parallel=ParallelConfig(pp=-1, dp_shard=dp_shard, pp_schedule=schedule,
                                 pp_stages_per_rank=int(per_rank)),
     )
-    dims = resolve_dims(cfg, world, where="test")
+    dims = resolve_dims(cfg.parallel, world, where="test")
     mesh = dims.build_mesh("cpu")
     coord = dims.coordinate(rank)
     model = build_model(cfg.model, "cpu", seed=0)
@@ -63,7 +63,7 @@ def run_case(case: str, out_dir: Path) -> None:
                 fully_shard(block, mesh=mesh["dp_shard"])
             return fully_shard(stage, mesh=mesh["dp_shard"])
 
-    pipe = build_pipeline(model, dims, mesh["pp"], coord["pp"], cfg, torch.device("cpu"), lm_loss,
+    pipe = build_pipeline(model, dims, mesh["pp"], coord["pp"], cfg.parallel, torch.device("cpu"), lm_loss,
                           parallelize_stage=shard_stage)
     del model
     optimizer = torch.optim.AdamW(pipe.parameters(), lr=LR)

@@ -23,12 +23,12 @@ from types import SimpleNamespace
 import torch
 import torch.distributed as dist
 
-from trainbook.parallel.dims import resolve_dims
 from trainbook.parallel.runtime import Runtime
 from trainbook.precision import Precision
 from trainbook.train.optim import build_optimizer
-from trainbook.train.run import resolve_config
-from trainbook.train.step import lm_loss
+from trainbook.commands.resolve import resolve
+from trainbook.phase import PhaseTracker
+from trainbook.train.engine import lm_loss
 from trainbook.train.trainer import Trainer
 
 RECIPE = Path(__file__).resolve().parents[2] / "recipes" / "tiny-shakespeare.toml"
@@ -67,14 +67,16 @@ class SavedBytes(torch.autograd.graph.saved_tensors_hooks):
 
 def run_case(name: str, overrides: list[str], out_dir: Path) -> None:
     world, rank = dist.get_world_size(), dist.get_rank()
-    cfg = resolve_config(RECIPE, overrides, world)
-    dims = resolve_dims(cfg, world, where="test")
+    res = resolve(RECIPE, overrides, world)
+    cfg, dims = res.cfg, res.dims
     device = torch.device("cpu")
     rt = Runtime(rank, world, dims, device, mesh=dims.build_mesh("cpu"))
-    # The trainer's own build path (it reads only cfg, rt and device from the trainer).
-    model, pipeline = Trainer._build_model(SimpleNamespace(cfg=cfg, rt=rt, device=device))
-    tied = pipeline.tied_weight() if pipeline else None
-    optimizer = build_optimizer(model, cfg.optim, embeddings=(tied,) if tied is not None else ())
+    # The trainer's own build path (it reads only these attributes of the trainer).
+    fsdp = dims.dp > 1 and cfg.parallel.data_parallel == "fsdp"
+    engine = Trainer._build_engine(SimpleNamespace(cfg=cfg, rt=rt, device=device, tracker=PhaseTracker(),
+                                                   precision=Precision(cfg.precision, device, fsdp=fsdp)))
+    model, pipeline = engine.model, getattr(engine, "pipeline", None)
+    optimizer = build_optimizer(model, cfg.optim, embeddings=engine.embeddings)
 
     t, dp = cfg.train, dims.dp
     g = torch.Generator().manual_seed(0)

@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 
 from trainbook.parallel.comm_bench import (
-    OPS, bus_bandwidth, format_table, message_sizes, parse_bytes, run_comm_bench,
+    OPS, bus_bandwidth, format_table, message_sizes, run_comm_bench,
 )
 
 SIZES = [1024, 4096, 16384, 65536, 262144]  # 1 KiB .. 256 KiB by 4
@@ -50,13 +50,9 @@ def test_bus_bandwidth_matches_nccl_tests():
     assert bus_bandwidth("all_gather", 10.0, 1) == 0.0  # one rank moves nothing over a link
 
 
-def test_sizes_and_byte_parsing():
+def test_message_sizes():
     assert message_sizes(1024, 64 << 20) == [1024 * 4**k for k in range(9)]
     assert message_sizes(1024, 5000) == [1024, 4096]
-    assert [parse_bytes(s) for s in ("65536", "64K", "64KiB", "16M", "1GiB", "1.5k")] == [
-        65536, 65536, 65536, 16 << 20, 1 << 30, 1536]
-    with pytest.raises(ValueError):
-        parse_bytes("lots")
 
 
 @pytest.fixture

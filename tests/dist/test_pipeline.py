@@ -24,12 +24,12 @@ import torch
 from torch import nn
 
 from tests.dist.pipeline_worker import ACCUM, CLIP, LR, STEPS, batches, model_config
-from trainbook.config import Config, DataConfig, ParallelConfig
+
 from trainbook.errors import TrainbookError
 from trainbook.model import build_model
-from trainbook.parallel.dims import ParallelDims
-from trainbook.parallel.pipeline import build_pipeline, cut_stage, model_stage_layers, stage_layers
-from trainbook.train.step import lm_loss
+
+from trainbook.parallel.pipeline import cut_stage, model_stage_layers, stage_layers
+from trainbook.train.engine import lm_loss
 
 WORKER = Path(__file__).with_name("pipeline_worker.py")
 # SCHEDULE:STAGES_PER_RANK:TIED[:DP_SHARD]; all 2-rank cases share one launch (one torch import).
@@ -168,9 +168,3 @@ def test_model_stage_layers_and_cut_stage():
     assert len(model.layers) == 4 and model.output is not None  # the whole model is untouched
     names = {n for m in (first, last) for n, _ in m.named_parameters()}
     assert names == {n for n, _ in model.named_parameters()}
-
-
-def test_document_packing_is_refused():
-    cfg = Config(data=DataConfig(packing="document"), parallel=ParallelConfig(pp=2, dp_shard=1))
-    with pytest.raises(TrainbookError, match="data.packing = document is not supported with pp > 1"):
-        build_pipeline(nn.Module(), ParallelDims(1, 1, 1, 2), None, 0, cfg, torch.device("cpu"), lm_loss)

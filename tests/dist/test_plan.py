@@ -22,13 +22,12 @@ from torch.utils._pytree import tree_leaves
 
 from tests.dist.plan_worker import SavedBytes
 from trainbook.model import build_model
-from trainbook.parallel.apply import _SAVE_OPS, parallelize
-from trainbook.parallel.dims import resolve_dims
+from trainbook.parallel.apply import _SAVE_OPS, ApplyOptions, parallelize
 from trainbook.parallel.plan import _rank_of, simulate
-from trainbook.train.planning import plan_command
+from trainbook.commands.plan import plan_command
 from trainbook.precision import Precision
-from trainbook.train.run import resolve_config
-from trainbook.train.step import lm_loss
+from trainbook.commands.resolve import resolve
+from trainbook.train.engine import lm_loss
 
 WORKER = Path(__file__).with_name("plan_worker.py")
 RECIPE = Path(__file__).resolve().parents[2] / "recipes" / "tiny-shakespeare.toml"
@@ -84,9 +83,9 @@ def test_plan_bytes_equal_what_each_rank_holds(measured, case, world_size):
         assert per_rank[rank]["optimizer"] == sum(sum(p["optim"].values()) for p in params), (case, rank)
 
     # Per parameter too: the simulated rank holds the same names, shards and states.
-    cfg = resolve_config(RECIPE, CASES[case], world_size)
-    dims = resolve_dims(cfg, world_size, where="test")
-    simulated = simulate(cfg, dims)
+    res = resolve(RECIPE, CASES[case], world_size)
+    dims = res.dims
+    simulated = simulate(res.plan_inputs(), dims)
     for rank, held in enumerate(measured[case]):
         twin = simulated[_rank_of(dims, dims.coordinate(rank) | {"dp_replicate": 0})]["params"]
         assert set(twin) == set(held["params"]), (case, rank)
@@ -131,8 +130,9 @@ class CachedOutputs(TorchDispatchMode):
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
 @pytest.mark.parametrize("mode", ["none", "full", "selective"])
 def test_activation_estimate_in_one_process(mode, dtype):
-    cfg = resolve_config(RECIPE, COMMON + [f"train.activation_checkpoint={mode}", f"precision.dtype={dtype}"], 1)
-    model = parallelize(build_model(cfg.model, "cpu", seed=0), resolve_dims(cfg, 1, "test"), None, cfg)
+    res = resolve(RECIPE, COMMON + [f"train.activation_checkpoint={mode}", f"precision.dtype={dtype}"], 1)
+    cfg = res.cfg
+    model = parallelize(build_model(cfg.model, "cpu", seed=0), res.dims, None, ApplyOptions(mode))
     tokens = torch.randint(0, cfg.model.vocab_size, (cfg.train.micro_batch_size, cfg.train.seq_len + 1))
     saved, cached = SavedBytes([model]), CachedOutputs(model.layers.values())
     with saved, cached, Precision(cfg.precision, torch.device("cpu")).autocast():

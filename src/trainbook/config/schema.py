@@ -6,7 +6,7 @@ it as the field's description). Unknown keys are errors. Components receive thei
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -181,11 +181,14 @@ class TrainConfig(Section):
     """Optimizer steps to train."""
     seq_len: int = Field(default=256, ge=2)
     """Tokens per sample."""
-    micro_batch_size: int = Field(default=8, ge=1)
-    """Samples per forward/backward pass."""
+    micro_batch_size: Annotated[int, Field(ge=1)] | Literal["auto"] = 8
+    """Samples per forward/backward pass on each rank. `auto` (needs `global_batch_tokens`): the
+    largest that divides each data-parallel rank's share of the global batch and fits the device
+    by `trainbook plan`'s memory estimate; the resolved config records the number chosen."""
     global_batch_tokens: int | None = Field(default=None, ge=1)
-    """Tokens per optimizer step; a multiple of `seq_len * micro_batch_size` (the quotient is the
-    gradient accumulation). Unset: one micro-batch per step."""
+    """Tokens per optimizer step over all ranks; a multiple of `seq_len * micro_batch_size *
+    data-parallel ranks` (the quotient is the gradient accumulation). Unset: one micro-batch per
+    step."""
     eval_every: int = Field(default=100, ge=0)
     """Evaluate on the held-out split every N steps (and at step 0 and the end); 0 disables."""
     eval_steps: int = Field(default=10, ge=1)
@@ -201,18 +204,10 @@ class TrainConfig(Section):
     compile: bool = False
     """Compile each block with `torch.compile` (after tensor parallel, before FSDP)."""
 
-    @model_validator(mode="after")
-    def _accumulation_divides(self) -> TrainConfig:
-        per_micro = self.seq_len * self.micro_batch_size
-        if self.global_batch_tokens is not None and self.global_batch_tokens % per_micro:
-            raise ValueError(
-                f"global_batch_tokens={self.global_batch_tokens} is not a multiple of "
-                f"seq_len * micro_batch_size = {per_micro}"
-            )
-        return self
-
     def grad_accum_steps(self, dp: int = 1) -> int:
-        """Micro-batches per optimizer step on each of `dp` data-parallel ranks."""
+        """Micro-batches per optimizer step on each of `dp` data-parallel ranks (of a resolved
+        config: `micro_batch_size` is a number; the resolution checked that it divides)."""
+        assert isinstance(self.micro_batch_size, int), "micro_batch_size = auto is settled by the resolution"
         per_micro = self.seq_len * self.micro_batch_size * dp
         return max(1, (self.global_batch_tokens or per_micro) // per_micro)
 

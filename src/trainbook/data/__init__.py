@@ -4,8 +4,11 @@
 train/val streams; `TrainLoader` and `val_batches` cut them into (inputs, targets) batches.
 """
 
-from trainbook.data.loader import TrainLoader, val_batches
+from trainbook.data.loader import TrainLoader, check_train_split, check_val_split, val_batches
 from trainbook.data.prepare import Prepared, prepare
-from trainbook.data.tokenizer import Tokenizer
+from trainbook.data.tokenizer import Tokenizer, hf_tokenizer_config
 
-__all__ = ["Prepared", "Tokenizer", "TrainLoader", "prepare", "val_batches"]
+__all__ = [
+    "Prepared", "Tokenizer", "TrainLoader", "check_train_split", "check_val_split", "hf_tokenizer_config",
+    "prepare", "val_batches",
+]

@@ -185,28 +185,12 @@ class TrainLoader:
                 "different sources", where="data.sources",
             )
         self.names = list(streams)  # recipe order
-        self.samples = {name: num_samples(streams[name], seq_len) for name in self.names}
-        for name, n in self.samples.items():
-            if n == 0:
-                raise TrainbookError(
-                    f"source '{name}' has {len(streams[name])} train tokens, less than one sample"
-                    f" of seq_len + 1 = {seq_len + 1}; use a shorter seq_len or more data",
-                    where="train.seq_len",
-                )
+        self.samples = check_train_split(streams, seq_len, micro_batch_size, world_size)
         self.seq_len = seq_len
         self.micro_batch_size = micro_batch_size
         self.rank = rank
         self.world_size = world_size
         self._step_samples = micro_batch_size * world_size  # global samples per batch, all ranks
-        total = sum(self.samples.values())
-        if total < self._step_samples:
-            raise TrainbookError(
-                f"the train split has {total} samples of seq_len + 1 = {seq_len + 1} tokens, "
-                f"fewer than one batch of {self._step_samples} (micro_batch_size "
-                f"{micro_batch_size} x {world_size} ranks); use a shorter seq_len, a smaller "
-                "batch or more data",
-                where="train.seq_len",
-            )
         self.order = MixtureOrder(
             self.names, [float(weights[n]) for n in self.names],
             [self.samples[n] for n in self.names], seed,
@@ -284,6 +268,42 @@ class TrainLoader:
         self._workers = None
 
 
+def check_train_split(streams: dict[str, TokenStream], seq_len: int, micro_batch_size: int,
+                      world_size: int) -> dict[str, int]:
+    """Samples per source; an error when a source has none or all together hold fewer than one
+    batch of `world_size` data-parallel ranks (the pre-flight calls it before any process starts)."""
+    samples = {name: num_samples(stream, seq_len) for name, stream in streams.items()}
+    for name, n in samples.items():
+        if n == 0:
+            raise TrainbookError(
+                f"source '{name}' has {len(streams[name])} train tokens, less than one sample"
+                f" of seq_len + 1 = {seq_len + 1}; use a shorter seq_len or more data",
+                where="train.seq_len",
+            )
+    total, step_samples = sum(samples.values()), micro_batch_size * world_size
+    if total < step_samples:
+        raise TrainbookError(
+            f"the train split has {total} samples of seq_len + 1 = {seq_len + 1} tokens, "
+            f"fewer than one batch of {step_samples} (micro_batch_size "
+            f"{micro_batch_size} x {world_size} ranks); use a shorter seq_len, a smaller "
+            "batch or more data",
+            where="train.seq_len",
+        )
+    return samples
+
+
+def check_val_split(stream: TokenStream, seq_len: int) -> int:
+    """Samples in the validation split; an error when it holds none."""
+    n = num_samples(stream, seq_len)
+    if n == 0:
+        raise TrainbookError(
+            f"the validation split has {len(stream)} tokens, less than one sample of seq_len + 1"
+            f" = {seq_len + 1}; raise data.val_fraction or lower train.seq_len",
+            where="data.val_fraction",
+        )
+    return n
+
+
 def _check_packing(packing: str, eos_id: int | None) -> None:
     if packing not in PACKINGS:
         raise TrainbookError(f"unknown packing '{packing}' (one of {PACKINGS})", where="data.packing")
@@ -302,14 +322,7 @@ def val_batches(
     across steps and runs. `packing="document"` adds positions, as for training.
     """
     _check_packing(packing, eos_id)
-    n = num_samples(stream, seq_len)
-    # Checked here, not on the first next(): the error belongs to the call that set it up.
-    if n == 0:
-        raise TrainbookError(
-            f"the validation split has {len(stream)} tokens, less than one sample of seq_len + 1"
-            f" = {seq_len + 1}; raise data.val_fraction or lower train.seq_len",
-            where="data.val_fraction",
-        )
+    n = check_val_split(stream, seq_len)  # here, not on the first next(): the call that set it up
     return _val_batches(stream, seq_len, micro_batch_size, n_batches, n,
                         eos_id if packing == "document" else None)
 

@@ -5,8 +5,7 @@
 - `check_against_recipe`: that config against a recipe's named model, field by field;
 - `load_hf_weights`: `model.safetensors` or an index and its shards -> a built model's parameters,
   one tensor at a time (see there for the memory this costs); never unpickles anything;
-- `hf_tokenizer_config`: the directory's `tokenizer.json` / `tokenizer.model` as `[tokenizer]`
-  settings.
+(The directory's tokenizer is read by `data/tokenizer/hf_dir.py`.)
 Names map through the table in `model/hf.py`.
 """
 
@@ -23,7 +22,7 @@ from pydantic import ValidationError
 from safetensors import safe_open
 
 from trainbook.config.schema import ModelConfig
-from trainbook.errors import TrainbookError
+from trainbook.errors import TrainbookError, one_line
 from trainbook.model.hf import to_hf_name
 from trainbook.model.registry import FROM_HF, is_resolved, resolve
 
@@ -51,6 +50,16 @@ _FROM_CONFIG = {
 _HF_KEY = {f: key for f, (key, _) in _FROM_CONFIG.items()} | {
     "n_kv_heads": "num_key_value_heads", "rope_theta": "rope_theta"
 }  # fmt: skip
+
+
+def hf_path(init_from: str) -> Path:
+    """The directory of `model.init_from = "hf:PATH"`."""
+    kind, _, path = init_from.partition(":")
+    if kind != "hf" or not path:
+        raise TrainbookError(f"{init_from!r} is not hf:PATH (a Hugging Face Llama directory)", where="model.init_from")
+    if not Path(path).is_dir():
+        raise TrainbookError(f"{path} is not a directory", where="model.init_from")
+    return Path(path)
 
 
 def read_hf_config(path: Path) -> dict:
@@ -333,7 +342,7 @@ def _open(file: Path):
     try:
         return safe_open(str(file), framework="pt")
     except Exception as e:  # SafetensorError, or OSError from the Rust side
-        raise TrainbookError(f"not a readable safetensors file: {_one_line(e)}", where=str(file)) from None
+        raise TrainbookError(f"not a readable safetensors file: {one_line(e)}", where=str(file)) from None
 
 
 def _few(names: list[str], n: int = 3) -> str:
@@ -341,106 +350,3 @@ def _few(names: list[str], n: int = 3) -> str:
     return shown + (f" and {len(names) - n} more" if len(names) > n else "")
 
 
-def _one_line(e: BaseException) -> str:
-    return " ".join(str(e).split()) or type(e).__name__
-
-
-# ---- import: tokenizer --------------------------------------------------------------------------
-
-TOKENIZER_JSON, SP_MODEL, TOKENIZER_CONFIG = "tokenizer.json", "tokenizer.model", "tokenizer_config.json"
-
-
-def hf_tokenizer_config(path: Path) -> dict:
-    """`[tokenizer]` settings (TokenizerConfig fields) for the tokenizer of HF directory `path`.
-
-    `tokenizer.json` -> kind "hf" (preferred when both are there: it is what transformers runs),
-    else `tokenizer.model` -> kind "sentencepiece". Specials: `tokenizer_config.json`'s
-    `{eos,bos,pad}_token`, else `config.json`'s `*_token_id` looked up in the tokenizer; one
-    found neither way, or naming a token the tokenizer lacks, is left out (the tokenizer's own
-    then applies).
-
-    `add_bos`: whether transformers' tokenizer prepends BOS under its default
-    `add_special_tokens=True`. For `tokenizer.json` its post-processor decides (transformers 5
-    ignores `add_bos_token` for such files); for `tokenizer.model`, `add_bos_token` in
-    tokenizer_config.json, true by default as in transformers' LlamaTokenizer. So trainbook's ids
-    equal transformers' with its defaults, except that trainbook adds no other special token (a
-    post-processor's trailing EOS): packing puts EOS between documents.
-    """
-    path = Path(path)
-    if (path / TOKENIZER_JSON).is_file():
-        kind, file = "hf", path / TOKENIZER_JSON
-    elif (path / SP_MODEL).is_file():
-        kind, file = "sentencepiece", path / SP_MODEL
-    else:
-        raise TrainbookError(f"no tokenizer: neither {TOKENIZER_JSON} nor {SP_MODEL}", where=str(path))
-    vocab = _Vocab(kind, file)
-    tok_config = _optional_json(path / TOKENIZER_CONFIG)
-    model_config = _optional_json(path / CONFIG_FILE)
-    settings: dict = {"kind": kind, "path": str(file)}
-    for name in ("eos", "bos", "pad"):
-        token = _token_text(tok_config.get(f"{name}_token"))
-        if token is None:
-            token_id = model_config.get(f"{name}_token_id")
-            if isinstance(token_id, list):  # e.g. Llama 3.1 Instruct's several EOS ids
-                token_id = token_id[0] if token_id else None
-            token = vocab.id_to_token(token_id) if isinstance(token_id, int) else None
-        if token is not None and vocab.token_to_id(token) is not None:
-            settings[f"{name}_token"] = token
-    bos = settings.get("bos_token")
-    if kind == "hf":
-        settings["add_bos"] = bos is not None and vocab.prepends(bos)
-    else:
-        settings["add_bos"] = bos is not None and bool(tok_config.get("add_bos_token", True))
-    return settings
-
-
-class _Vocab:
-    """The few look-ups `hf_tokenizer_config` needs, over either library."""
-
-    def __init__(self, kind: str, file: Path):
-        try:
-            if kind == "hf":
-                import tokenizers
-
-                self._hf = tokenizers.Tokenizer.from_file(str(file))
-            else:
-                import sentencepiece
-
-                self._sp = sentencepiece.SentencePieceProcessor(model_file=str(file))
-        except Exception as e:  # both libraries raise plain Exception/RuntimeError when parsing
-            raise TrainbookError(f"not a readable tokenizer: {_one_line(e)}", where=str(file)) from None
-        self.kind = kind
-
-    def id_to_token(self, i: int) -> str | None:
-        if self.kind == "hf":
-            return self._hf.id_to_token(i)
-        return self._sp.id_to_piece(i) if 0 <= i < self._sp.get_piece_size() else None
-
-    def token_to_id(self, token: str) -> int | None:
-        if self.kind == "hf":
-            return self._hf.token_to_id(token)
-        i = self._sp.piece_to_id(token)  # unk_id for a piece it does not have
-        return None if i == self._sp.unk_id() and self._sp.id_to_piece(i) != token else i
-
-    def prepends(self, token: str) -> bool:
-        """True when encoding with the post-processor's specials puts `token` first."""
-        plain = self._hf.encode("a", add_special_tokens=False).ids
-        full = self._hf.encode("a", add_special_tokens=True).ids
-        return full[:1] == [self.token_to_id(token)] and plain[:1] != full[:1]
-
-
-def _token_text(value) -> str | None:
-    # tokenizer_config.json writes a special as a string, or as an AddedToken object.
-    if isinstance(value, dict):
-        value = value.get("content")
-    return value if isinstance(value, str) else None
-
-
-def _optional_json(file: Path) -> dict:
-    if not file.is_file():
-        return {}
-    try:
-        data = json.loads(file.read_text(encoding="utf-8"))
-    except (UnicodeDecodeError, ValueError) as e:
-        raise TrainbookError(f"not valid JSON: {e}", where=str(file)) from None
-    return data if isinstance(data, dict) else {}

@@ -28,11 +28,14 @@ class StepReport:
     time: float = 0.0
     data_mix: dict | None = None
     """Per training source: {"target": weight share, "actual": share of the tokens consumed}."""
+    skipped: bool = False
+    """fp16: this step's gradients overflowed and its update was dropped (counted in skipped_steps)."""
 
     def metrics_record(self) -> dict:
         """The `metrics.jsonl` line (keys are a contract, see DESIGN.md). A skipped fp16 step's
         gradient norm is inf: written as null, since JSON has no infinity."""
         record = {"kind": "train", **asdict(self)}
+        del record["skipped"]  # the running count, skipped_steps, is the recorded fact
         if record["grad_norm"] != record["grad_norm"] or abs(record["grad_norm"]) == float("inf"):
             record["grad_norm"] = None
         return record

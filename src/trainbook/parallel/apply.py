@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
@@ -26,9 +28,7 @@ from torch.distributed.tensor.parallel import (
 )
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
-from trainbook.config import Config
 from trainbook.parallel.dims import ParallelDims
-from trainbook.precision import Precision
 
 # Ops whose outputs selective checkpointing keeps: matmuls and attention are expensive to
 # recompute; norms, activations and elementwise ops are cheap and recomputed.
@@ -40,23 +40,38 @@ _SAVE_OPS = {
 }
 
 
-def parallelize(model: nn.Module, dims: ParallelDims, mesh, cfg: Config) -> nn.Module:
+@dataclass(frozen=True)
+class ApplyOptions:
+    """What `parallelize` needs beyond the layout: from `[train]`, `[parallel]` and the precision
+    policy."""
+
+    activation_checkpoint: str = "none"
+    """`none`, `full` or `selective` (train.activation_checkpoint)."""
+    compile: bool = False
+    """torch.compile each block (train.compile)."""
+    data_parallel: str = "fsdp"
+    """`fsdp` or `ddp` (parallel.data_parallel)."""
+    mp_policy: Any = None
+    """FSDP2's MixedPrecisionPolicy (Precision.fsdp_policy()); None: no casts."""
+
+
+def parallelize(model: nn.Module, dims: ParallelDims, mesh, opts: ApplyOptions) -> nn.Module:
     """Apply TP, activation checkpointing, compile and data parallel (in that order) in place."""
     if dims.tp > 1:
         apply_tp(model, mesh["tp"])
-    if cfg.train.activation_checkpoint != "none":
+    if opts.activation_checkpoint != "none":
         for block in model.layers.values():
-            checkpoint_block(block, selective=cfg.train.activation_checkpoint == "selective")
-    if cfg.train.compile:
+            checkpoint_block(block, selective=opts.activation_checkpoint == "selective")
+    if opts.compile:
         for block in model.layers.values():
             block.compile()
     if dims.dp > 1:
-        if cfg.parallel.data_parallel == "ddp":
+        if opts.data_parallel == "ddp":
             from torch.distributed._composable import replicate
 
             replicate(model, device_mesh=mesh["dp_replicate"])
         else:
-            apply_fsdp(model, dp_mesh(mesh, dims), cfg)
+            apply_fsdp(model, dp_mesh(mesh, dims), opts.mp_policy)
     return model
 
 
@@ -130,13 +145,15 @@ def _save_policy(ctx, op, *args, **kwargs):
     return CheckpointPolicy.MUST_SAVE if op in _SAVE_OPS else CheckpointPolicy.PREFER_RECOMPUTE
 
 
-def apply_fsdp(model: nn.Module, mesh, cfg: Config) -> None:
-    """FSDP2 per block, then the root (embeddings, final norm, output head)."""
-    from torch.distributed.fsdp import fully_shard
+def apply_fsdp(model: nn.Module, mesh, mp_policy=None) -> None:
+    """FSDP2 per block, then the root (embeddings, final norm, output head).
 
-    # Compute dtype for the gathered parameters, fp32 master weights, gradients reduced in fp32.
-    device = next(model.parameters()).device
-    mp = Precision(cfg.precision, device, fsdp=True).fsdp_policy()
+    `mp_policy`: the precision policy's (compute dtype for the gathered parameters, fp32 master
+    weights, gradients reduced in fp32); None casts nothing.
+    """
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    mp = mp_policy if mp_policy is not None else MixedPrecisionPolicy()
     # Blocks take the residual stream (already in the compute dtype: the embedding ran in it) and
     # the RoPE tables, which must stay fp32 (precision.FP32_OPS): no casting of block inputs.
     block_mp = dataclasses.replace(mp, cast_forward_inputs=False)

@@ -25,15 +25,16 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
-import tempfile
 import time
 from collections.abc import Sequence
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
+
+from trainbook.errors import TrainbookError
+from trainbook.sizes import parse_size
 
 OPS = ("all_reduce", "all_gather", "reduce_scatter")
 # Bytes that cross each link per byte of the full tensor, on n ranks (nccl-tests' factors).
@@ -61,17 +62,6 @@ def message_sizes(min_bytes: int = KiB, max_bytes: int = 64 * MiB, factor: int =
     while sizes[-1] * factor <= max_bytes:
         sizes.append(sizes[-1] * factor)
     return sizes
-
-
-def parse_bytes(text: str) -> int:
-    """'65536', '64K', '64KiB', '16M', '1GiB' -> bytes (binary units)."""
-    units = {"": 1, "k": KiB, "m": MiB, "g": 1 << 30}
-    s = text.strip().lower().removesuffix("b").removesuffix("i")
-    unit = s[-1] if s and s[-1] in units else ""
-    try:
-        return int(float(s[: len(s) - len(unit)]) * units[unit])
-    except ValueError:
-        raise ValueError(f"not a byte size: {text!r} (e.g. 65536, 64KiB, 16M)") from None
 
 
 def human_bytes(n: int) -> str:
@@ -191,11 +181,18 @@ def describe(result: dict) -> str:
             f"time = slowest rank's mean; busbw as nccl-tests")
 
 
+def _size(text: str) -> int:
+    try:
+        return parse_size(text, where="bytes")
+    except TrainbookError as e:
+        raise ValueError(str(e)) from None  # argparse reports it as a usage error
+
+
 def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m trainbook.parallel.comm_bench",
                                      description=__doc__.splitlines()[0])
-    parser.add_argument("--min-bytes", type=parse_bytes, default=KiB)
-    parser.add_argument("--max-bytes", type=parse_bytes, default=64 * MiB)
+    parser.add_argument("--min-bytes", type=_size, default=KiB)
+    parser.add_argument("--max-bytes", type=_size, default=64 * MiB)
     parser.add_argument("--factor", type=int, default=4, help="ratio of successive sizes")
     parser.add_argument("--iters", type=int, default=20)
     parser.add_argument("--warmup", type=int, default=5)
@@ -233,54 +230,6 @@ def main(argv: Sequence[str] | None = None) -> None:
     # gloo can abort at interpreter exit after all work is done (DESIGN.md): skip the teardown.
     sys.stdout.flush(), sys.stderr.flush()
     os._exit(0)
-
-
-def bench_comm_command(
-    nproc: int,
-    max_bytes: int = 64 * MiB,
-    iters: int = 20,
-    *,
-    min_bytes: int = KiB,
-    warmup: int = 5,
-    dtype: str = "float32",
-    device: str = "auto",
-    timeout_s: float = 600,
-) -> str:
-    """Run the bench on `nproc` local ranks through torch.distributed.run; the text to print.
-
-    TrainbookError for bad arguments (before any process starts); RuntimeError, with the
-    workers' log tail, if the ranks fail or write no result.
-    """
-    from trainbook.errors import TrainbookError
-
-    if nproc < 1:
-        raise TrainbookError(f"must be at least 1, got {nproc}", where="--nproc")
-    if iters < 1 or warmup < 0:
-        raise TrainbookError(f"need iters >= 1 and warmup >= 0, got {iters} and {warmup}",
-                             where="--iters")
-    try:
-        message_sizes(min_bytes, max_bytes)
-    except ValueError as e:
-        raise TrainbookError(str(e), where="--max-bytes") from None
-    with tempfile.TemporaryDirectory(prefix="trainbook-comm-") as tmp:
-        out = Path(tmp) / "comm.json"
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-               "--nproc-per-node", str(nproc), "-m", "trainbook.parallel.comm_bench",
-               "--min-bytes", str(min_bytes), "--max-bytes", str(max_bytes),
-               "--iters", str(iters), "--warmup", str(warmup), "--dtype", dtype,
-               "--device", device, "--json", str(out)]
-        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        try:
-            log, _ = proc.communicate(timeout=timeout_s)
-        except subprocess.TimeoutExpired:
-            proc.terminate()  # torchrun passes SIGTERM on to its workers (SIGKILL 30 s later)
-            log, _ = proc.communicate()
-            raise RuntimeError(f"comm bench timed out after {timeout_s} s:\n{log[-3000:]}") from None
-        # A non-zero exit after the result is written is tolerated only as gloo's exit-time abort.
-        if not out.exists() or (proc.returncode != 0 and "terminate called" not in log):
-            raise RuntimeError(f"comm bench failed (exit code {proc.returncode}):\n{log[-3000:]}")
-        result = json.loads(out.read_text())
-    return describe(result) + "\n" + format_table(result["records"])
 
 
 if __name__ == "__main__":

@@ -37,3 +37,14 @@ def peak_memory_bytes(device: torch.device) -> int:
     import resource  # POSIX only; imported here so the module imports elsewhere
 
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
+
+
+def device_memory_bytes(device: torch.device, processes: int) -> int:
+    """Memory one of `processes` ranks on this machine may plan for: its accelerator's total
+    memory, or on CPU an equal share of the host's physical memory."""
+    if device.type in ("cuda", "npu"):
+        backend = getattr(torch, device.type)
+        return backend.get_device_properties(device.index or 0).total_memory
+    import os
+
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // max(1, processes)

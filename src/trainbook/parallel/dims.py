@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from trainbook.config import Config
+from trainbook.config import ParallelConfig
 from trainbook.errors import TrainbookError
 
 MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "tp")
@@ -59,9 +59,10 @@ class ParallelDims:
         return init_device_mesh(device_type, tuple(self.sizes().values()), mesh_dim_names=MESH_DIMS)
 
 
-def resolve_dims(cfg: Config, world_size: int, where: str) -> ParallelDims:
-    """The layout for `world_size` ranks: -1 filled in, then every check that needs no process."""
-    p, m, t = cfg.parallel, cfg.model, cfg.train
+def resolve_dims(parallel: ParallelConfig, world_size: int, where: str) -> ParallelDims:
+    """The layout for `world_size` ranks: -1 filled in, then the checks of `[parallel]` alone
+    (those that involve the model or the batch are the recipe resolution's)."""
+    p = parallel
     degrees = {k: getattr(p, k) for k in MESH_DIMS[1:] + ("pp",)}
     if -1 in degrees.values():
         rest, known = [k for k, v in degrees.items() if v == -1][0], 1
@@ -78,54 +79,34 @@ def resolve_dims(cfg: Config, world_size: int, where: str) -> ParallelDims:
         layout = " x ".join(f"{k}={v}" for k, v in dims.sizes().items())
         raise TrainbookError(f"{layout} = {dims.world_size} ranks, but the world size is {world_size}",
                              where=f"{where}: parallel")
-
-    for heads in ("n_heads", "n_kv_heads"):
-        if getattr(m, heads) % dims.tp:
-            raise TrainbookError(f"model.{heads} = {getattr(m, heads)} is not divisible by tp = {dims.tp}",
-                                 where=f"{where}: parallel.tp")
     if p.data_parallel == "ddp" and dims.dp_shard != 1:
         raise TrainbookError(f"ddp replicates whole models: it needs dp_shard = 1, not {dims.dp_shard}",
                              where=f"{where}: parallel.data_parallel")
-    per_step = t.seq_len * t.micro_batch_size * dims.dp
-    if t.global_batch_tokens is not None and t.global_batch_tokens % per_step:
-        raise TrainbookError(
-            f"global_batch_tokens = {t.global_batch_tokens} is not a multiple of seq_len x "
-            f"micro_batch_size x data-parallel ranks = {t.seq_len} x {t.micro_batch_size} x {dims.dp}",
-            where=f"{where}: train.global_batch_tokens",
-        )
     if dims.pp > 1:
-        _check_pipeline(cfg, dims, where)
+        _check_schedule(p, dims, where)
     return dims
 
 
-def _check_pipeline(cfg: Config, dims: ParallelDims, where: str) -> None:
-    p, n_layers = cfg.parallel, cfg.model.n_layers
-    if cfg.precision.dtype == "fp16":
-        raise TrainbookError("fp16 needs loss scaling, which the pipeline schedules do not apply yet; "
-                             "use bf16 with pp > 1", where=f"{where}: precision.dtype")
-    stages = dims.pp * p.pp_stages_per_rank
+def pipeline_microbatches(parallel: ParallelConfig, pp: int) -> int:
+    """Micro-batches per pipeline pass: `pp_microbatches`, or one per stage."""
+    return parallel.pp_microbatches or pp * parallel.pp_stages_per_rank
+
+
+def _check_schedule(p: ParallelConfig, dims: ParallelDims, where: str) -> None:
     if p.pp_schedule == "interleaved1f1b" and p.pp_stages_per_rank < 2:
         raise TrainbookError("interleaved1f1b needs pp_stages_per_rank >= 2", where=f"{where}: parallel.pp_stages_per_rank")
     if p.pp_schedule != "interleaved1f1b" and p.pp_stages_per_rank != 1:
         raise TrainbookError(f"{p.pp_schedule} runs one stage per rank; pp_stages_per_rank must be 1",
                              where=f"{where}: parallel.pp_stages_per_rank")
-    if p.pp_split is not None:
-        if len(p.pp_split) != stages or any(n < 1 for n in p.pp_split) or sum(p.pp_split) != n_layers:
-            raise TrainbookError(
-                f"{p.pp_split} must be {stages} positive layer counts (one per stage) adding up to "
-                f"model.n_layers = {n_layers}", where=f"{where}: parallel.pp_split",
-            )
-    elif n_layers < stages:
-        raise TrainbookError(f"{stages} pipeline stages need at least {stages} layers; the model has {n_layers}",
-                             where=f"{where}: parallel.pp")
-    microbatches = p.pp_microbatches or stages
+    microbatches = pipeline_microbatches(p, dims.pp)
     if p.pp_schedule != "gpipe" and microbatches < dims.pp:
         raise TrainbookError(
             f"{p.pp_schedule} needs at least as many micro-batches as pipeline ranks ({dims.pp}); got {microbatches}",
             where=f"{where}: parallel.pp_microbatches",
         )
-    if cfg.train.micro_batch_size % microbatches:
-        raise TrainbookError(
-            f"train.micro_batch_size = {cfg.train.micro_batch_size} cannot be cut into {microbatches} "
-            "pipeline micro-batches", where=f"{where}: parallel.pp_microbatches",
-        )
+    if p.pp_schedule == "interleaved1f1b":
+        rounds = max(1, microbatches // dims.pp)
+        if microbatches % rounds:
+            raise TrainbookError(
+                f"interleaved1f1b runs micro-batches in rounds of pp = {dims.pp}: {microbatches} "
+                f"is not a multiple of its {rounds} rounds", where=f"{where}: parallel.pp_microbatches")

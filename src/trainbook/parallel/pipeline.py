@@ -40,6 +40,7 @@ from __future__ import annotations
 import copy
 import math
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -51,9 +52,9 @@ from torch.distributed.pipelining import (
     ScheduleInterleaved1F1B,
 )
 
-from trainbook.config import Config
+from trainbook.config import ParallelConfig
 from trainbook.errors import TrainbookError
-from trainbook.parallel.dims import ParallelDims
+from trainbook.parallel.dims import ParallelDims, pipeline_microbatches
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -134,6 +135,42 @@ def model_stage_layers(model: nn.Module, n_stages: int, split: list[int] | None)
     last = sum(p.numel() for p in model.norm.parameters()) + model.output.weight.numel()
     return stage_layers(len(layer_params), n_stages, split, layer_params,
                         first_params=first, last_params=last)
+
+
+@dataclass(frozen=True)
+class StageSpec:
+    index: int
+    layers: range
+    """The block indices this stage holds."""
+    is_first: bool
+    """Holds the embedding, takes token ids."""
+    is_last: bool
+    """Holds the final norm and the head, returns logits."""
+
+    def pp_rank(self, pp: int) -> int:
+        """The pipeline rank holding this stage (loop-style: stage i on rank i % pp)."""
+        return self.index % pp
+
+
+def assign_stages(model: nn.Module, pp: int, parallel: ParallelConfig) -> list[StageSpec]:
+    """Every stage of a `pp`-rank pipeline, in order: the one place stages get their layers and
+    their rank (`plan` and `build_pipeline` both read it)."""
+    n_stages = pp * parallel.pp_stages_per_rank
+    layers = model_stage_layers(model, n_stages, parallel.pp_split)
+    return [StageSpec(i, layers[i], i == 0, i == n_stages - 1) for i in range(n_stages)]
+
+
+def rank_stages(
+    model: nn.Module, pp: int, pp_rank: int, parallel: ParallelConfig,
+    parallelize_stage: Callable[[nn.Module], nn.Module] | None = None,
+) -> list[tuple[StageSpec, nn.Module]]:
+    """The stages pipeline rank `pp_rank` holds, each cut from `model` (and parallelized)."""
+    out = []
+    for spec in assign_stages(model, pp, parallel):
+        if spec.pp_rank(pp) == pp_rank:
+            module = cut_stage(model, spec.layers, spec.is_first, spec.is_last)
+            out.append((spec, parallelize_stage(module) if parallelize_stage is not None else module))
+    return out
 
 
 def cut_stage(model: nn.Module, layers: range, is_first: bool, is_last: bool) -> nn.Module:
@@ -337,7 +374,7 @@ def build_pipeline(
     dims: ParallelDims,
     pp_mesh_or_group,
     pp_rank: int,
-    cfg: Config,
+    parallel: ParallelConfig,
     device: torch.device,
     loss_fn: LossFn,
     parallelize_stage: Callable[[nn.Module], nn.Module] | None = None,
@@ -348,33 +385,16 @@ def build_pipeline(
     the same seed, so every layout starts from the same init); it is not modified, and the caller
     may drop it afterwards. `pp_mesh_or_group` is the 1-D "pp" DeviceMesh or its process group;
     `pp_rank` this rank's index in it. `loss_fn(logits, targets)` is the mean loss of a chunk
-    (`train.step.lm_loss`). `parallelize_stage` applies TP/AC/compile/FSDP to each stage module
-    before its `PipelineStage` is built.
+    (`train.engine.lm_loss`). `parallelize_stage` applies TP/AC/compile/FSDP to each stage module
+    before its `PipelineStage` is built. The layout was validated when the recipe was resolved.
     """
-    p = cfg.parallel
-    if cfg.data.packing == "document":
-        raise TrainbookError("data.packing = document is not supported with pp > 1 yet",
-                             where="data.packing")
+    p = parallel
     if dims.pp < 2:
         raise TrainbookError(f"a pipeline needs pp >= 2, got {dims.pp}", where="parallel.pp")
     group = pp_mesh_or_group.get_group() if hasattr(pp_mesh_or_group, "get_group") else pp_mesh_or_group
     n_stages = dims.pp * p.pp_stages_per_rank
-    n_microbatches = p.pp_microbatches or n_stages
-    if p.pp_schedule == "interleaved1f1b":
-        rounds = max(1, n_microbatches // dims.pp)
-        if n_microbatches % rounds:
-            raise TrainbookError(
-                f"interleaved1f1b runs micro-batches in rounds of pp = {dims.pp}: {n_microbatches} "
-                f"is not a multiple of its {rounds} rounds", where="parallel.pp_microbatches")
-
-    layers = model_stage_layers(model, n_stages, p.pp_split)
-    my_stages = list(range(pp_rank, n_stages, dims.pp))  # loop-style: stage i on rank i % pp
-    stages = []
-    for i in my_stages:
-        module = cut_stage(model, layers[i], is_first=i == 0, is_last=i == n_stages - 1)
-        if parallelize_stage is not None:
-            module = parallelize_stage(module)
-        stages.append(PipelineStage(module, i, n_stages, device, group=group))
-
-    return Pipeline(stages, [layers[i] for i in my_stages], p.pp_schedule, n_microbatches, group, loss_fn,
+    n_microbatches = pipeline_microbatches(p, dims.pp)
+    mine = rank_stages(model, dims.pp, pp_rank, p, parallelize_stage)
+    stages = [PipelineStage(module, spec.index, n_stages, device, group=group) for spec, module in mine]
+    return Pipeline(stages, [spec.layers for spec, _ in mine], p.pp_schedule, n_microbatches, group, loss_fn,
                     tied=bool(model.cfg.tie_embeddings))

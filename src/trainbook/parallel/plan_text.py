@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import re
 
-from trainbook.parallel.plan import human
+from trainbook.sizes import human
 
 
 def render(plan: dict) -> str:

@@ -1,6 +1,5 @@
-"""The Trainer (build + loop), the train step, optimizer and LR schedule."""
+"""The Trainer (build + one loop), the step engines and the train step, optimizer, LR schedule, RNG."""
 
-from trainbook.train.run import prepare_data, resolve_config, start_run
 from trainbook.train.trainer import Trainer
 
-__all__ = ["Trainer", "prepare_data", "resolve_config", "start_run"]
+__all__ = ["Trainer"]

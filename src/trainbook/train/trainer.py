@@ -6,6 +6,7 @@ Data flows one way: each step produces a StepReport, the monitors consume it.
 from __future__ import annotations
 
 import contextlib
+import enum
 import hashlib
 import logging
 import random
@@ -21,24 +22,34 @@ import torch
 import trainbook
 from trainbook.checkpoint import Checkpointer, any_rank, load_state, tensor_entries
 from trainbook.config import Config, dump_toml
-from trainbook.faults import fault_point
 from trainbook.data import Prepared, TrainLoader, val_batches
+from trainbook.errors import TrainbookError
+from trainbook.faults import fault_point
 from trainbook.model import build_model, num_params
 from trainbook.model.surgery import freeze, reinit, resize_vocab, trainable_summary
 from trainbook.monitor import (
     EvalReport, EventLog, LogLines, MetricsFile, StepReport, close_run_logger, console_monitor,
     setup_run_logger,
 )
-from trainbook.errors import TrainbookError
-from trainbook.parallel.apply import parallelize
+from trainbook.parallel.apply import ApplyOptions, parallelize
 from trainbook.parallel.device import peak_memory_bytes
-from trainbook.parallel.dims import ParallelDims, resolve_dims
+from trainbook.parallel.dims import ParallelDims
 from trainbook.parallel.runtime import Runtime
+from trainbook.phase import Phase, PhaseTracker
 from trainbook.precision import Precision
+from trainbook.train.engine import LocalEngine, PipelineEngine, lm_loss
 from trainbook.train.optim import build_optimizer, load_optimizer_state, optimizer_state, optimizer_state_like
 from trainbook.train.rng import rng_state, set_rng_state
 from trainbook.train.schedule import LRSchedule
-from trainbook.train.step import evaluate, lm_loss, to_device, train_step
+from trainbook.train.step import evaluate, train_step
+
+
+class Decision(enum.Enum):
+    """What the loop does after a step (`Trainer.decide`)."""
+
+    CONTINUE = "continue"
+    SKIP = "skip"  # the step's update was dropped (fp16 overflow); training goes on
+    STOP = "stop"  # save a checkpoint and stop (a signal reached some rank)
 
 
 def seed_everything(seed: int) -> None:
@@ -48,80 +59,70 @@ def seed_everything(seed: int) -> None:
 
 
 class Trainer:
-    def __init__(self, cfg: Config, run_dir: Path, data: Prepared, device: torch.device | Runtime):
+    def __init__(self, cfg: Config, run_dir: Path, data: Prepared, rt: Runtime | torch.device):
+        """`cfg` is a resolved config (commands/resolve.py); `rt` says where this process sits (a
+        bare device: one process)."""
         self.cfg = cfg
-        self.rt = device if isinstance(device, Runtime) else Runtime(0, 1, resolve_dims(cfg, 1, "recipe"), device)
+        self.rt = rt if isinstance(rt, Runtime) else Runtime(0, 1, ParallelDims(1, 1, 1, 1), rt)
         self.device = self.rt.device
         self.rank = self.rt.rank
         self.run_dir = Path(run_dir)
-        seed_everything(cfg.run.seed)
-        self.model, self.pipeline = self._build_model()
-        tied = self.pipeline.tied_weight() if self.pipeline else None  # a tied copy is an embedding
-        self.optimizer = build_optimizer(self.model, cfg.optim, embeddings=(tied,) if tied is not None else ())
-        # The last stage's copy of a tied embedding keeps its optimizer state under the
-        # embedding's name, so checkpoints move between pipeline and single-device layouts.
-        self.optim_aliases = {"output.weight": "tok_embeddings.weight"} \
-            if tied is not None and not self.pipeline.has_first else {}
-        self.schedule = LRSchedule(cfg.schedule, cfg.optim.lr, cfg.train.max_steps)
+        self.tracker = PhaseTracker()  # what this rank is doing now; other threads read it
         dims = self.rt.dims
         # Under FSDP its mixed-precision policy casts; elsewhere autocast (parallel/apply.py).
         self.precision = Precision(cfg.precision, self.device,
                                    fsdp=dims.dp > 1 and cfg.parallel.data_parallel == "fsdp")
+        seed_everything(cfg.run.seed)
+        self.engine = self._build_engine()
+        self.model = self.engine.model
+        self.optimizer = build_optimizer(self.model, cfg.optim, embeddings=self.engine.embeddings)
+        self.schedule = LRSchedule(cfg.schedule, cfg.optim.lr, cfg.train.max_steps)
         self.scaler = self.precision.loss_scaler()
         self.train_loader = self._build_train_loader(data)
         self.val_batches = self._build_val_batches(data)
         self.logger, self.events, self.monitors = self._build_monitors()
         self.checkpointer = Checkpointer(
             self.run_dir / "checkpoints", cfg.checkpoint, rank=self.rank, world_size=self.rt.world_size,
-            describe=checkpoint_description(cfg, self.rt.dims), on_commit=self._on_checkpoint_committed,
+            describe=checkpoint_description(cfg, dims), on_commit=self._on_checkpoint_committed,
         )
         self.step = 0
         self.tokens = 0
         self.stop_signal: int | None = None  # set by SIGTERM/SIGINT; the loop saves and stops
-        self.phase = [""]  # what the current step is doing (named when a collective times out)
-        t, dp = cfg.train, self.rt.dims.dp
-        self.accum_steps = t.grad_accum_steps(dp)
-        self.tokens_per_step = self.accum_steps * t.micro_batch_size * t.seq_len * dp  # all ranks
+        self.accum_steps = cfg.train.grad_accum_steps(dims.dp)
+        self.tokens_per_step = self.accum_steps * cfg.train.micro_batch_size * cfg.train.seq_len * dims.dp
 
-    def _build_model(self):
+    def _build_engine(self) -> LocalEngine | PipelineEngine:
         """The full model on every rank (same seed, same init, or imported weights), fine-tuning
-        surgery, then this rank's part of it."""
-        cfg, seed = self.cfg, self.cfg.run.seed
-        if cfg.model.init_from:
-            model = self._import_model()
-        else:
-            model = build_model(cfg.model, self.device, seed=seed)
-        unmatched = reinit(model, cfg.train.reinit, cfg.model.init_std, seed + 1)
+        surgery, then this rank's part of it and the engine that runs it."""
+        cfg, rt = self.cfg, self.rt
+        model = self._import_model() if cfg.model.init_from else build_model(cfg.model, self.device, seed=cfg.run.seed)
+        unmatched = reinit(model, cfg.train.reinit, cfg.model.init_std, cfg.run.seed + 1)
         unmatched += freeze(model, cfg.train.freeze)
         # Reported once the run log exists (_announce).
         self.notes = [f"pattern {p!r} in train.freeze/train.reinit matches no parameter" for p in unmatched]
         self.trainable = trainable_summary(model)
-        rt = self.rt
+        opts = ApplyOptions(cfg.train.activation_checkpoint, cfg.train.compile, cfg.parallel.data_parallel,
+                            self.precision.fsdp_policy())
         if rt.dims.pp > 1:
-            from trainbook.parallel.pipeline import StageGroup, build_pipeline
+            from trainbook.parallel.pipeline import build_pipeline
 
             pipeline = build_pipeline(
-                model, rt.dims, rt.mesh["pp"], rt.pp_rank, self.cfg, self.device, lm_loss,
-                parallelize_stage=lambda stage: parallelize(stage, rt.dims, rt.mesh, self.cfg),
+                model, rt.dims, rt.mesh["pp"], rt.pp_rank, cfg.parallel, self.device, lm_loss,
+                parallelize_stage=lambda stage: parallelize(stage, rt.dims, rt.mesh, opts),
             )
-            return StageGroup(pipeline.modules), pipeline
-        return parallelize(model, rt.dims, rt.mesh, self.cfg), None
+            return PipelineEngine(pipeline, self.precision, rt, self.tracker)
+        return LocalEngine(parallelize(model, rt.dims, rt.mesh, opts), self.precision, rt, self.tracker)
 
     def _import_model(self):
         """A Hugging Face Llama's weights, grown to the recipe's vocabulary if that is larger."""
-        from trainbook.model.hf_import import load_hf_weights, model_config_from_hf
-        from trainbook.train.run import hf_dir
+        from trainbook.model.hf_import import hf_path, load_hf_weights, model_config_from_hf
 
-        m, path = self.cfg.model, hf_dir(self.cfg.model.init_from)
+        m, path = self.cfg.model, hf_path(self.cfg.model.init_from)
         imported_vocab = model_config_from_hf(path).vocab_size
         model = build_model(m.model_copy(update={"vocab_size": imported_vocab}), self.device, seed=self.cfg.run.seed)
         load_hf_weights(model, path)
         resize_vocab(model, m.vocab_size, m.resize_init, seed=self.cfg.run.seed + 2)
         return model
-
-    def _pipeline_pass(self, batch, accum_steps: int) -> torch.Tensor | None:
-        with self.precision.autocast():
-            return self.pipeline.step(batch.inputs, batch.targets, accum_steps)
 
     def _build_train_loader(self, data: Prepared) -> TrainLoader:
         d, t = self.cfg.data, self.cfg.train
@@ -175,14 +176,16 @@ class Trainer:
                 report = self.advance(batches)
                 if self.val_batches and (self.step % t.eval_every == 0 or self.step == t.max_steps):
                     last_eval = self._evaluate()
-                stopping = any_rank(self.stop_signal is not None)
-                if stopping or self.checkpointer.due(self.step, t.max_steps):
+                decision = self.decide(report)
+                if decision is Decision.STOP or self.checkpointer.due(self.step, t.max_steps):
                     self._save_checkpoint()
-                if stopping:
+                if decision is Decision.STOP:
                     self._on_stop()
                     break
                 fault_point("train.after_step", self.step)
+            self.tracker.enter(Phase.CHECKPOINT)
             self.checkpointer.wait()  # an async save still in flight is part of the run
+            self.tracker.enter(Phase.IDLE)
         return {"step": self.step, "tokens": self.tokens, "loss": report.loss if report else None,
                 "val_loss": last_eval, "run_dir": str(self.run_dir),
                 "stopped_by": signal.Signals(self.stop_signal).name if self.stop_signal else None}
@@ -193,56 +196,65 @@ class Trainer:
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         start = time.perf_counter()
-        dims = self.rt.dims
+        self.tracker.begin_step(self.step + 1)
         try:
-            result = train_step(
-                self.model, self.optimizer, batches, accum_steps=self.accum_steps,
-                grad_clip=self.cfg.optim.grad_clip, precision=self.precision, device=self.device,
-                before_update=self.checkpointer.wait_staged,
-                forward_backward=self._pipeline_pass if self.pipeline else None,
-                # tp ranks hold copies of one replica's loss, pp ranks but the last hold none.
-                reduce_loss=lambda loss: self.rt.all_reduce_mean(loss, over=dims.dp * dims.tp),
-                clip_grad=self.pipeline.clip_grad_norm_ if self.pipeline else None, phase=self.phase,
-                scaler=self.scaler,
-            )
+            result = train_step(self.engine, self.optimizer, batches, self.accum_steps, self.cfg.optim.grad_clip,
+                                self.scaler, self.tracker, before_update=self.checkpointer.wait_staged)
         except RuntimeError as e:
             raise self._explain(e) from e
         elapsed = time.perf_counter() - start
         self.step += 1
         self.tokens += self.tokens_per_step  # a skipped step consumed its data too
-        if result.skipped:
-            self.events.emit("skipped_step", self.step, reason="gradient overflow (inf/NaN)",
-                             loss_scale=result.loss_scale, next_loss_scale=self.scaler.scale_value,
-                             skipped_total=self.scaler.skipped)
-            self.logger.warning(f"step {self.step}: gradients overflowed at loss scale {result.loss_scale:g}; "
-                                f"step skipped, scale -> {self.scaler.scale_value:g}")
         report = StepReport(
             step=self.step, tokens=self.tokens, loss=result.loss, lr=lr, grad_norm=result.grad_norm,
             tokens_per_s=self.tokens_per_step / elapsed, step_time_s=elapsed, phases=result.phases,
             mem_peak_bytes=peak_memory_bytes(self.device), time=time.time(),
             data_mix=self.train_loader.mixture_report(), loss_scale=result.loss_scale,
-            skipped_steps=self.scaler.skipped if self.scaler.enabled else None,
+            skipped_steps=self.scaler.skipped if self.scaler.enabled else None, skipped=result.skipped,
         )
-        for monitor in self.monitors:
+        for monitor in self.monitors:  # read-only consumers of the report
             monitor.on_step(report)
         return report
+
+    def decide(self, report: StepReport) -> Decision:
+        """The one place where how a step went changes the course of the run.
+
+        Every rank reaches the same decision (`any_rank` is a collective). Today: stop when a
+        signal reached any rank; a step whose gradients overflowed (fp16) was already skipped by
+        the loss scaler and is recorded here. Detectors that judge a step (NaN and loss-spike
+        triage: skip the batch or roll back to a checkpoint) give their verdict here too.
+        """
+        if any_rank(self.stop_signal is not None):
+            return Decision.STOP
+        if report.skipped:
+            self.events.emit("skipped_step", self.step, reason="gradient overflow (inf/NaN)",
+                             loss_scale=report.loss_scale, next_loss_scale=self.scaler.scale_value,
+                             skipped_total=self.scaler.skipped)
+            self.logger.warning(f"step {self.step}: gradients overflowed at loss scale {report.loss_scale:g}; "
+                                f"step skipped, scale -> {self.scaler.scale_value:g}")
+            return Decision.SKIP
+        return Decision.CONTINUE
+
+    # What a rank waits for in each phase when a collective times out.
+    WAITS = {
+        Phase.FORWARD: "FSDP parameter all-gather / tensor-parallel collectives",
+        Phase.BACKWARD: "gradient reduce-scatter / all-reduce / tensor-parallel collectives",
+        Phase.FORWARD_BACKWARD: "pipeline send/recv between stages",
+        "gradient norm": "all-reduce of the gradient norm",
+        "gradient unscale": "all-reduce of the fp16 overflow flag",
+        "loss report": "all-reduce of the loss",
+    }
 
     def _explain(self, error: RuntimeError) -> Exception:
         """A collective that timed out becomes one line naming the rank and what it waited for."""
         if "timed out" not in str(error).lower() and "timeout" not in str(error).lower():
             return error
-        waits = {
-            "forward": "FSDP parameter all-gather / tensor-parallel collectives",
-            "backward": "gradient reduce-scatter / all-reduce / tensor-parallel collectives",
-            "pipeline forward/backward": "pipeline send/recv between stages",
-            "gradient norm": "all-reduce of the gradient norm",
-            "gradient unscale": "all-reduce of the fp16 overflow flag",
-            "loss report": "all-reduce of the loss",
-        }
-        what = waits.get(self.phase[0], self.phase[0])
+        now = self.tracker.current()
+        doing = now.detail or now.phase.value
+        what = self.WAITS.get(now.detail) or self.WAITS.get(now.phase) or doing
         return TrainbookError(
             f"rank {self.rank}: a collective timed out after {self.cfg.parallel.timeout_s:g} s in step "
-            f"{self.step + 1}, {self.phase[0]} ({what}); another rank is stuck or gone: see its log",
+            f"{now.step}, {doing} ({what}); another rank is stuck or gone: see its log",
             where="parallel.timeout_s",
         )
 
@@ -262,28 +274,16 @@ class Trainer:
             self.events.emit("start", self.step, tokens_per_step=tokens_per_step)
 
     def _evaluate(self) -> float:
-        if self.pipeline is not None:
-            val_loss = self._pipeline_evaluate()
-        else:
-            val_loss = evaluate(self.model, self.val_batches, self.precision, self.device)
+        val_loss = evaluate(self.engine, self.val_batches, self.tracker)
         report = EvalReport(step=self.step, val_loss=val_loss, time=time.time())
         for monitor in self.monitors:
             monitor.on_eval(report)
         return val_loss
 
-    def _pipeline_evaluate(self) -> float:
-        total = torch.zeros((), device=self.device)
-        for batch in self.val_batches:
-            batch = to_device(batch, self.device)
-            with self.precision.autocast():
-                loss = self.pipeline.eval_loss(batch.inputs, batch.targets)
-            total += loss if loss is not None else 0.0
-        dims = self.rt.dims  # the last stage's sum, the same on every replica
-        return self.rt.all_reduce_mean(total, over=dims.dp * dims.tp).item() / len(self.val_batches)
-
     # ---- checkpoints, resume, signals ----------------------------------------------------
 
     def _save_checkpoint(self) -> None:
+        self.tracker.enter(Phase.CHECKPOINT)
         self.checkpointer.save(self.step, self.state_dict(), info={"tokens": self.tokens})
 
     def _on_checkpoint_committed(self, step: int, path: Path, seconds: float) -> None:
@@ -299,7 +299,7 @@ class Trainer:
         """
         return {
             "model": self.model.state_dict(),
-            "optim": optimizer_state(self.model, self.optimizer, self.optim_aliases),
+            "optim": optimizer_state(self.model, self.optimizer, self.engine.optim_aliases),
             "trainer": {"step": torch.tensor(self.step), "tokens": torch.tensor(self.tokens)},
             "data": {k: torch.tensor(v) for k, v in self.train_loader.state_dict().items()},
             "rng": {f"rank{self.rank}": rng_state()},
@@ -310,7 +310,7 @@ class Trainer:
         """Continue from checkpoint `path`: model, optimizer moments, counters, data position, RNG."""
         entries = tensor_entries(path)
         state = self.state_dict()  # model tensors are the parameters: DCP loads into them in place
-        state["optim"] = optimizer_state_like(self.model, entries, aliases=self.optim_aliases)
+        state["optim"] = optimizer_state_like(self.model, entries, aliases=self.engine.optim_aliases)
         rng_key = f"rank{self.rank}"
         if f"rng.{rng_key}.torch_cpu" not in entries:  # a checkpoint from fewer ranks
             state.pop("rng")
@@ -320,7 +320,7 @@ class Trainer:
         load_state(path, state)
         if "precision" in state:
             self.scaler.load_state_dict(state["precision"])
-        load_optimizer_state(self.model, self.optimizer, state["optim"], self.optim_aliases)
+        load_optimizer_state(self.model, self.optimizer, state["optim"], self.engine.optim_aliases)
         self.step = int(state["trainer"]["step"])
         self.tokens = int(state["trainer"]["tokens"])
         self.train_loader.load_state_dict({k: int(v) for k, v in state["data"].items()})

@@ -12,7 +12,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file, load_model
 
 from trainbook.checkpoint import Checkpointer
-from trainbook.checkpoint.export import export, export_command
+from trainbook.commands.export import export, export_command
 from trainbook.config import Config, ModelConfig, dump_toml
 from trainbook.data.tokenizer import train_bpe
 from trainbook.errors import TrainbookError

@@ -115,12 +115,6 @@ def test_bad_overrides(tmp_path):
     assert "Input should be 'fp32', 'bf16' or 'fp16'" in _error(path, ["precision.dtype=fp8"])
 
 
-def test_batch_arithmetic_is_validated(tmp_path):
-    path = tmp_path / "r.toml"
-    path.write_text("[train]\nseq_len = 16\nmicro_batch_size = 4\nglobal_batch_tokens = 100\n")
-    assert "not a multiple of seq_len * micro_batch_size = 64" in _error(path)
-
-
 def test_extends_problems(tmp_path):
     a, b = tmp_path / "a.toml", tmp_path / "b.toml"
     a.write_text('extends = "b.toml"\n')

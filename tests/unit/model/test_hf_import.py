@@ -14,13 +14,14 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from trainbook.checkpoint import Checkpointer
-from trainbook.checkpoint.export import export
+from trainbook.commands.export import export
 from trainbook.config import Config, ModelConfig, TokenizerConfig, dump_toml
 from trainbook.data.tokenizer import build_tokenizer
 from trainbook.errors import TrainbookError
 from trainbook.model import build_model
 from trainbook.model.hf import to_hf_name
-from trainbook.model.hf_import import check_against_recipe, hf_tokenizer_config, load_hf_weights, model_config_from_hf
+from trainbook.data.tokenizer import hf_tokenizer_config
+from trainbook.model.hf_import import check_against_recipe, load_hf_weights, model_config_from_hf
 from trainbook.model.registry import FROM_HF
 
 transformers = pytest.importorskip("transformers")

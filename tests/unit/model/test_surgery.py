@@ -6,6 +6,8 @@ from trainbook.model import build_model, resolve
 from trainbook.model.surgery import freeze, reinit, resize_vocab, trainable_summary
 from trainbook.precision import Precision
 from trainbook.train.optim import build_optimizer, optimizer_state
+from trainbook.phase import PhaseTracker
+from trainbook.train.engine import LocalEngine
 from trainbook.train.step import train_step
 
 
@@ -27,8 +29,9 @@ def test_frozen_parameters_stay_bitwise_and_get_no_state():
     optimizer = build_optimizer(model, OptimConfig(lr=1e-2))
     batches = _batches(512)
     for _ in range(3):
-        train_step(model, optimizer, batches, accum_steps=2, grad_clip=1.0,
-                   precision=Precision(PrecisionConfig(), torch.device("cpu")), device=torch.device("cpu"))
+        precision = Precision(PrecisionConfig(), torch.device("cpu"))
+        train_step(LocalEngine.one_process(model, precision), optimizer, batches, 2, 1.0,
+                   precision.loss_scaler(), PhaseTracker())
     frozen = [n for n in before if n.startswith(("tok_embeddings.", "layers.0."))]
     assert frozen and all(torch.equal(dict(model.named_parameters())[n], before[n]) for n in frozen)
     assert all(dict(model.named_parameters())[n].grad is None for n in frozen)

@@ -21,9 +21,8 @@ from trainbook.model import build_model, names, num_params, resolve
 from trainbook.model.llama import RMSNorm
 from trainbook.parallel.apply import tp_plan
 from trainbook.parallel.pipeline import cut_stage, model_stage_layers
-from trainbook.parallel.plan import parse_size
 from trainbook.parallel.plan_text import render
-from trainbook.train.planning import plan_command
+from trainbook.commands.plan import plan_command
 
 RECIPE = Path(__file__).resolve().parents[3] / "recipes" / "tiny-shakespeare.toml"
 TINY = ["model.name=tiny", "train.seq_len=32", "train.micro_batch_size=2"]
@@ -64,14 +63,6 @@ def test_tp_plan_of_a_pipeline_stage_names_only_its_own_modules():
 
 
 # ---- sizes --------------------------------------------------------------------------------------
-
-@pytest.mark.parametrize("text, expected", [
-    ("80GiB", 80 * GiB), ("80G", 80 * GiB), ("512MiB", 512 << 20), ("1.5TB", 1_500_000_000_000),
-    ("80GB", 80_000_000_000), ("1000", 1000), (" 64 kib ", 64 << 10), ("2TiB", 2 << 40),
-])
-def test_parse_size(text, expected):
-    assert parse_size(text) == expected
-
 
 @pytest.mark.parametrize("text", ["eighty", "", "GiB", "-5GiB", "0", "80XB", "1.2.3G"])
 def test_bad_sizes_are_one_line_errors_naming_the_option(text):

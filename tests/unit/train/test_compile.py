@@ -9,9 +9,11 @@ from trainbook.config import Config
 from trainbook.config.schema import ModelConfig
 from trainbook.data.loader import Batch
 from trainbook.model import build_model, resolve
-from trainbook.parallel.apply import parallelize
+from trainbook.parallel.apply import ApplyOptions, parallelize
 from trainbook.parallel.dims import ParallelDims
 from trainbook.precision import Precision
+from trainbook.phase import PhaseTracker
+from trainbook.train.engine import LocalEngine
 from trainbook.train.step import train_step
 
 CPU = torch.device("cpu")
@@ -32,13 +34,13 @@ def test_compiled_blocks_give_eager_losses():
     for compiled in (False, True):
         model = build_model(resolve(cfg.model), CPU, seed=0)
         if compiled:
-            parallelize(model, ParallelDims(1, 1, 1, 1), None, cfg)
+            parallelize(model, ParallelDims(1, 1, 1, 1), None, ApplyOptions(compile=True))
             assert all(hasattr(b, "_compiled_call_impl") and b._compiled_call_impl for b in model.layers.values())
         opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
         it = iter(batches)
         losses = [
-            train_step(model, opt, it, accum_steps=2, grad_clip=1.0, precision=Precision(cfg.precision, CPU),
-                       device=CPU).loss
+            train_step(LocalEngine.one_process(model, Precision(cfg.precision, CPU)), opt, it, 2, 1.0,
+                       Precision(cfg.precision, CPU).loss_scaler(), PhaseTracker()).loss
             for _ in range(4)
         ]
         runs[compiled] = losses, {k: v.detach().clone() for k, v in model.state_dict().items()}

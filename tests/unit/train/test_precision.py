@@ -19,7 +19,9 @@ from trainbook.config.schema import ModelConfig
 from trainbook.data.loader import Batch
 from trainbook.model import build_model, llama, resolve
 from trainbook.precision import COMPUTE_DTYPES, FP32_OPS, LossScaler, Precision
-from trainbook.train.step import lm_loss, train_step
+from trainbook.phase import PhaseTracker
+from trainbook.train.engine import LocalEngine, lm_loss
+from trainbook.train.step import train_step
 
 CPU = torch.device("cpu")
 LOW = [torch.bfloat16, torch.float16]
@@ -57,8 +59,8 @@ def batch_stream(tokens: torch.Tensor, batch: int, seq: int, seed: int):
 
 
 def step(model, opt, batches, prec, scaler, accum_steps=1):
-    return train_step(model, opt, batches, accum_steps=accum_steps, grad_clip=1.0, precision=prec,
-                      device=CPU, scaler=scaler)
+    return train_step(LocalEngine.one_process(model, prec), opt, batches, accum_steps, 1.0,
+                      scaler if scaler is not None else prec.loss_scaler(), PhaseTracker())
 
 
 def snapshot(model, opt) -> dict[str, torch.Tensor]:

@@ -18,22 +18,17 @@ from collections.abc import Callable, Iterable
 import numpy as np
 
 from trainbook.config.schema import TokenizerConfig
-from trainbook.data.tokenizer.base import META_FILE, Tokenizer
+from trainbook.data.tokenizer.base import META_FILE, Tokenizer, backend_class
 from trainbook.data.tokenizer.hf import PIECE_CHARS, HFTokenizer, train_bpe
+from trainbook.data.tokenizer.hf_dir import hf_tokenizer_config
 from trainbook.data.tokenizer.spm import SentencePieceTokenizer
 from trainbook.data.tokenizer.tiktoken_bpe import ENDOFTEXT, TiktokenTokenizer
 from trainbook.errors import TrainbookError
 
 __all__ = [
     "META_FILE", "PIECE_CHARS", "HFTokenizer", "SentencePieceTokenizer", "TiktokenTokenizer",
-    "Tokenizer", "backend_class", "build_tokenizer", "check_ids", "train_bpe",
+    "Tokenizer", "backend_class", "build_tokenizer", "check_ids", "hf_tokenizer_config", "train_bpe",
 ]  # fmt: skip
-
-
-def backend_class(fmt: str) -> type[Tokenizer]:
-    """The backend for a saved `format` (a KeyError for an unknown one)."""
-    backends = {c.format: c for c in (HFTokenizer, SentencePieceTokenizer, TiktokenTokenizer)}
-    return backends[fmt]
 
 
 def build_tokenizer(cfg: TokenizerConfig, texts_factory: Callable[[], Iterable[str]]) -> Tokenizer:

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import ClassVar
 
 from trainbook.atomic import atomic_write_bytes, atomic_write_json
-from trainbook.errors import TrainbookError
+from trainbook.errors import TrainbookError, one_line
 
 META_FILE = "tokenizer_meta.json"
 META_VERSION = 1
@@ -121,8 +121,6 @@ class Tokenizer(ABC):
     @classmethod
     def load(cls, directory: str | os.PathLike) -> Tokenizer:
         """The tokenizer `save(directory)` wrote: same ids, same sha256, or a TrainbookError."""
-        from trainbook.data.tokenizer import backend_class  # the backends import this module
-
         meta_path = Path(directory) / META_FILE
         where = str(meta_path)
         if not meta_path.is_file():
@@ -137,7 +135,7 @@ class Tokenizer(ABC):
                     raise TrainbookError(f"'{name}' changed since it was saved", where=where)
             specials = {f"{n}_token": (meta[n] or {}).get("token") for n in SPECIALS}
         except (OSError, ValueError, KeyError, TypeError) as e:
-            raise TrainbookError(f"unreadable saved tokenizer: {_one_line(e)}", where=where) from e
+            raise TrainbookError(f"unreadable saved tokenizer: {one_line(e)}", where=where) from e
         tok = backend(files, kind=meta["kind"], add_bos=meta["add_bos"], where=where, **specials)
         if tok.meta() != meta:
             raise TrainbookError("the tokenizer differs from the one saved", where=where)
@@ -210,15 +208,15 @@ def _canonical(obj: dict) -> bytes:
     return json.dumps(obj, sort_keys=True, separators=(",", ":")).encode("utf-8")
 
 
-def _one_line(e: BaseException, limit: int = 200) -> str:
-    """An exception's text on one line (library messages may span several)."""
-    text = " ".join(str(e).split()) or type(e).__name__
-    return text if len(text) <= limit else text[: limit - 3] + "..."
-
-
 def read_file(path: str | os.PathLike) -> bytes:
     """A tokenizer file's bytes; a missing one is an error naming `tokenizer.path`."""
     path = Path(path)
     if not path.is_file():
         raise TrainbookError(f"no tokenizer file at '{path}'", where="tokenizer.path")
     return path.read_bytes()
+
+
+def backend_class(fmt: str) -> type[Tokenizer]:
+    """The backend for a saved `format` (a KeyError for an unknown one): the subclasses the
+    package defines (its `__init__` imports every backend module)."""
+    return {c.format: c for c in Tokenizer.__subclasses__()}[fmt]

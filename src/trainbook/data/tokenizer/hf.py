@@ -33,8 +33,8 @@ from collections.abc import Iterable
 import tokenizers
 from tokenizers import decoders, models, pre_tokenizers, trainers
 
-from trainbook.data.tokenizer.base import Tokenizer, _one_line, read_file
-from trainbook.errors import TrainbookError
+from trainbook.data.tokenizer.base import Tokenizer, read_file
+from trainbook.errors import TrainbookError, one_line
 
 FILE = "tokenizer.json"
 # Looked up in this order when the recipe leaves a special token unset.
@@ -59,7 +59,7 @@ class HFTokenizer(Tokenizer):
             spec = json.loads(text)
         except Exception as e:  # the Rust side raises plain Exception for any parse error
             raise TrainbookError(
-                f"not a tokenizers JSON file: {_one_line(e)}", where=where
+                f"not a tokenizers JSON file: {one_line(e)}", where=where
             ) from e
         # Literal special-token strings in documents are text, not control tokens (see above).
         hf.encode_special_tokens = True

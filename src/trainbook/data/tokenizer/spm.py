@@ -13,8 +13,8 @@ from collections.abc import Iterable
 
 import sentencepiece
 
-from trainbook.data.tokenizer.base import Tokenizer, _one_line, read_file
-from trainbook.errors import TrainbookError
+from trainbook.data.tokenizer.base import Tokenizer, read_file
+from trainbook.errors import TrainbookError, one_line
 
 FILE = "tokenizer.model"
 
@@ -31,7 +31,7 @@ class SentencePieceTokenizer(Tokenizer):
             self._sp = sentencepiece.SentencePieceProcessor(model_proto=files[FILE])
         except Exception as e:  # RuntimeError with the protobuf parser's message
             raise TrainbookError(
-                f"not a SentencePiece model: {_one_line(e)}", where=where
+                f"not a SentencePiece model: {one_line(e)}", where=where
             ) from e
 
     def _vocab_size(self) -> int:

@@ -23,8 +23,8 @@ from pathlib import Path
 
 import tiktoken
 
-from trainbook.data.tokenizer.base import Tokenizer, _one_line, read_file
-from trainbook.errors import TrainbookError
+from trainbook.data.tokenizer.base import Tokenizer, read_file
+from trainbook.errors import TrainbookError, one_line
 
 RANKS_FILE = "tokenizer.tiktoken"
 ENCODER_FILE, MERGES_FILE = "encoder.json", "vocab.bpe"
@@ -56,7 +56,7 @@ class TiktokenTokenizer(Tokenizer):
                 "trainbook", pat_str=GPT2_PATTERN, mergeable_ranks=ranks, special_tokens=specials
             )
         except Exception as e:
-            raise TrainbookError(f"not a tiktoken/GPT-2 BPE: {_one_line(e)}", where=where) from e
+            raise TrainbookError(f"not a tiktoken/GPT-2 BPE: {one_line(e)}", where=where) from e
         self._ranks, self._specials = ranks, specials
 
     def _vocab_size(self) -> int:

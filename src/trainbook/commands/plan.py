@@ -5,18 +5,19 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from trainbook.commands.resolve import resolve
 from trainbook.errors import TrainbookError
-from trainbook.parallel.plan import make_plan, parse_size
+from trainbook.parallel.plan import make_plan
 from trainbook.parallel.plan_text import render
-from trainbook.train.run import resolve_config
+from trainbook.sizes import parse_size
 
 
 def plan_command(recipe: Path, overrides: list[str], world_size: int, device_memory: str | None,
                  as_json: bool) -> str:
     """What `trainbook plan` prints: the plan of `recipe` (+ overrides) on `world_size` ranks."""
-    limit = parse_size(device_memory) if device_memory is not None else None
+    limit = parse_size(device_memory, where="--device-memory") if device_memory is not None else None
     if world_size < 1:
         raise TrainbookError(f"must be at least 1, got {world_size}", where="--world-size")
-    cfg = resolve_config(Path(recipe), overrides, world_size)
-    plan = make_plan(cfg, world_size, limit, recipe=str(recipe))
+    res = resolve(Path(recipe), overrides, world_size, device_memory=limit)
+    plan = make_plan(res.plan_inputs(), res.dims, limit, recipe=str(recipe))
     return json.dumps(plan, indent=2) if as_json else render(plan)

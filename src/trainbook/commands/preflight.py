@@ -1,0 +1,136 @@
+"""The one pre-flight: what a run needs beyond its recipe, checked before any process starts.
+
+`resume_point` finds (and checks) the checkpoint a run continues from; `prepare_data` makes the
+data cache and checks the recipe against it (vocabulary, enough samples for one batch of every
+rank). `run` calls both in its one process, the `--nproc` launcher before starting the workers
+(which call them again: rank 0 first, the others then find everything in place).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from trainbook.checkpoint import InvalidCheckpoint, newest_valid, read_latest, step_of, verify
+from trainbook.commands.resolve import Resolved
+from trainbook.config import Config
+from trainbook.data import Prepared, check_train_split, check_val_split, prepare
+from trainbook.errors import TrainbookError
+
+
+def prepare_data(res: Resolved, log=print) -> Prepared:
+    """The recipe's data (cached after the first call), checked against the model and the batch."""
+    cfg, where = res.cfg, str(res.recipe)
+    data = prepare(cfg.data, cfg.tokenizer, seed=cfg.run.seed, log=log)
+    if data.tokenizer.vocab_size > cfg.model.vocab_size:
+        raise TrainbookError(
+            f"the tokenizer has {data.tokenizer.vocab_size} tokens but the model only "
+            f"{cfg.model.vocab_size} embedding rows",
+            where=f"{where}: model.vocab_size",
+        )
+    t = cfg.train
+    try:
+        check_train_split(data.train, t.seq_len, t.micro_batch_size, res.dims.dp)
+        if t.eval_every > 0:
+            check_val_split(data.val, t.seq_len)
+    except TrainbookError as e:
+        e.where = f"{where}: {e.where}"
+        raise
+    return data
+
+
+def resume_point(res: Resolved, resume: str, run_dir: Path | None) -> ResumePoint | None:
+    """The checkpoint to continue from (None: a fresh start), checked against the recipe."""
+    start = find_resume_point(resume, run_dir)
+    if start is not None:
+        check_compatible(start.manifest, res.cfg, start.where)
+    return start
+
+
+@dataclass
+class ResumePoint:
+    path: Path  # the checkpoint
+    manifest: dict
+    run_dir: Path | None  # where the run continues (None: a new run directory)
+    where: str  # how the user named it, for errors
+    skipped: list[tuple[str, str]] = field(default_factory=list)  # invalid newer checkpoints
+
+
+def find_resume_point(resume: str, run_dir: Path | None) -> ResumePoint | None:
+    """Which checkpoint a run continues from (None: a fresh start), checked before anything is written."""
+    if resume == "never":
+        return None
+    if resume == "auto":
+        if run_dir is None or not run_dir.is_dir() or not any(run_dir.iterdir()):
+            return None
+        where = f"--run-dir {run_dir}"
+        if not (run_dir / "config.resolved.toml").is_file():
+            raise TrainbookError("is not empty and is not a trainbook run; use a new directory", where=where)
+        skipped: list[tuple[str, str]] = []
+        found = newest_valid(run_dir / "checkpoints", on_skip=lambda p, why: skipped.append((str(p), why)))
+        if found is None:
+            why = f" ({len(skipped)} invalid: {skipped[0][1]})" if skipped else ""
+            raise TrainbookError(
+                f"holds a run with no valid checkpoint to resume from{why}; start a new run in "
+                "another directory", where=where,
+            )
+        return ResumePoint(found[0], found[1], run_dir, where, skipped)
+
+    where = f"--resume {resume}"
+    path = Path(resume)
+    skipped: list[tuple[str, str]] = []
+    if (path / "config.resolved.toml").is_file():  # a run: its newest valid checkpoint
+        found = newest_valid(path / "checkpoints", on_skip=lambda p, why: skipped.append((str(p), why)))
+        if found is None:
+            raise TrainbookError("run has no valid checkpoint", where=where)
+        (ckpt, manifest), ckpt_run = found, path
+    elif (path / ".metadata").is_file() or (path / "manifest.json").is_file():
+        try:
+            manifest = verify(path)
+        except InvalidCheckpoint as e:
+            raise TrainbookError(f"is not a valid checkpoint: {e}", where=where) from None
+        ckpt, ckpt_run = path, path.parent.parent
+    else:
+        raise TrainbookError("is neither a checkpoint nor a run directory", where=where)
+
+    own_run = (ckpt_run / "config.resolved.toml").is_file()
+    target = run_dir if run_dir is not None else (ckpt_run if own_run else None)
+    if target is not None and own_run and target.resolve() == ckpt_run.resolve():
+        later = [s for s in map(step_of, ckpt.parent.iterdir())
+                 if s is not None and manifest["step"] < s <= (read_latest(ckpt.parent) or 0)]
+        if later:
+            raise TrainbookError(
+                f"the run has checkpoints after step {manifest['step']} (step-{max(later)}); continue it "
+                "with --resume auto, or branch from this one with a new --run-dir", where=where,
+            )
+    elif target is not None and target.is_dir() and any(target.iterdir()):
+        raise TrainbookError("is not empty; a run branched from a checkpoint needs a new directory",
+                             where=f"--run-dir {target}")
+    return ResumePoint(ckpt, manifest, target, where, skipped)
+
+
+# Model fields that decide tensor shapes: a checkpoint cannot load into a model that differs in one.
+SHAPE_FIELDS = ("dim", "n_layers", "n_heads", "n_kv_heads", "vocab_size", "ffn_dim", "tie_embeddings")
+
+
+def check_compatible(manifest: dict, cfg: Config, where: str) -> None:
+    saved = manifest.get("config", {}).get("model", {})
+    for key in SHAPE_FIELDS:
+        ours = getattr(cfg.model, key)
+        if key in saved and saved[key] != ours:
+            raise TrainbookError(f"checkpoint has {key}={saved[key]}, recipe has {ours}", where=where)
+
+
+def config_changes(saved: dict, cfg: Config) -> dict[str, tuple]:
+    """Flat `section.key` -> (checkpoint's value, this run's value) for every value that differs."""
+    def flat(tree: dict, prefix: str = "") -> dict:
+        out = {}
+        for key, value in tree.items():
+            if isinstance(value, dict):
+                out.update(flat(value, f"{prefix}{key}."))
+            else:
+                out[f"{prefix}{key}"] = value
+        return out
+
+    old, new = flat(saved), flat(cfg.model_dump(mode="json"))
+    return {k: (old.get(k), new.get(k)) for k in sorted(old.keys() | new.keys()) if old.get(k) != new.get(k)}

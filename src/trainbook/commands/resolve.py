@@ -1,0 +1,193 @@
+"""The one resolution: (recipe, overrides, world size) -> a frozen `Resolved`.
+
+Every check of user input that needs no data and no process lives here or below it (the schema,
+`resolve_dims`), so `run`, `run --nproc N` and `plan` fail the same way, in one line, before any
+process group starts and before anything is written. What it settles:
+- the model section: a registry entry, or a Hugging Face directory's config.json (and its tokenizer);
+- the layout (`ParallelDims`), checked against the model (heads, layers) and the batch;
+- the batch: `train.micro_batch_size = "auto"` becomes a number (the largest that divides each
+  data-parallel rank's share of the global batch and fits the device by `plan`'s estimate), and a
+  fixed one that cannot work is an error naming the overrides that would.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from trainbook.config import Config, TokenizerConfig, load_config
+from trainbook.data import hf_tokenizer_config
+from trainbook.errors import TrainbookError
+from trainbook.model import resolve as resolve_model
+from trainbook.model.registry import FROM_HF
+from trainbook.parallel.device import device_memory_bytes, pick_device
+from trainbook.parallel.dims import ParallelDims, pipeline_microbatches, resolve_dims
+from trainbook.parallel.plan import PlanInputs
+
+
+@dataclass(frozen=True)
+class Resolved:
+    recipe: Path
+    overrides: tuple[str, ...]
+    cfg: Config
+    """Every field settled: the model filled in, `micro_batch_size` a number."""
+    dims: ParallelDims
+    micro_batch_chosen: bool = False
+    """`micro_batch_size` was `auto` in the recipe and chosen here."""
+
+    @property
+    def world_size(self) -> int:
+        return self.dims.world_size
+
+    @property
+    def accum_steps(self) -> int:
+        """Micro-batches per optimizer step on each data-parallel rank."""
+        return self.cfg.train.grad_accum_steps(self.dims.dp)
+
+    @property
+    def tokens_per_step(self) -> int:
+        t = self.cfg.train
+        return self.accum_steps * t.micro_batch_size * t.seq_len * self.dims.dp
+
+    def plan_inputs(self) -> PlanInputs:
+        c = self.cfg
+        return PlanInputs(c.model, c.train, c.parallel, c.precision.dtype)
+
+
+def resolve(recipe: Path, overrides: list[str], world_size: int, *, device_memory: int | None = None,
+            local_ranks: int | None = None) -> Resolved:
+    """The recipe after extends and overrides, settled for `world_size` ranks and checked.
+
+    `local_ranks`: the run starts on this machine with that many ranks here: `run.device` must be
+    available, and each rank gets its share of the device memory. `device_memory`: bytes one rank
+    may use (else that share; neither: no limit), for `micro_batch_size = "auto"`.
+    """
+    recipe, where = Path(recipe), str(recipe)
+    cfg = load_config(recipe, overrides)
+    if local_ranks is not None:
+        device = pick_device(cfg.run.device)
+        device_memory = device_memory or device_memory_bytes(device, local_ranks)
+    try:
+        if cfg.model.init_from:
+            cfg = with_hf_model(cfg)
+        cfg = cfg.model_copy(update={"model": resolve_model(cfg.model)})
+    except TrainbookError as e:
+        e.where = f"{where}: {e.where}" if e.where else where
+        raise
+    if cfg.train.seq_len > cfg.model.max_seq_len:
+        raise TrainbookError(f"{cfg.train.seq_len} is longer than model.max_seq_len = {cfg.model.max_seq_len}",
+                             where=f"{where}: train.seq_len")
+    dims = resolve_dims(cfg.parallel, world_size, where)
+    _check_model_layout(cfg, dims, where)
+    chosen = cfg.train.micro_batch_size == "auto"
+    mbs = _auto_micro_batch(cfg, dims, device_memory, where) if chosen else cfg.train.micro_batch_size
+    _check_batch(cfg, dims, mbs, where)
+    cfg = cfg.model_copy(update={"train": cfg.train.model_copy(update={"micro_batch_size": mbs})})
+    return Resolved(recipe, tuple(overrides), cfg, dims, chosen)
+
+
+def with_hf_model(cfg: Config) -> Config:
+    """The model section filled from (or checked against) `init_from`'s config.json, and the
+    directory's tokenizer as the run's tokenizer."""
+    from trainbook.model.hf_import import check_against_recipe, hf_path, model_config_from_hf
+
+    path = hf_path(cfg.model.init_from)
+    imported = model_config_from_hf(path)
+    check_against_recipe(imported, cfg.model)
+    # The imported architecture; the recipe may choose a larger vocabulary (resized after
+    # loading), the RoPE table's length and the init std of re-initialised tensors.
+    ours = cfg.model if cfg.model.name == FROM_HF else resolve_model(cfg.model)
+    chosen = {k: getattr(ours, k) for k in ("vocab_size", "max_seq_len", "init_std") if getattr(ours, k) is not None}
+    model = imported.model_copy(update={**chosen, "init_from": cfg.model.init_from, "resize_init": cfg.model.resize_init})
+    tokenizer = TokenizerConfig(**hf_tokenizer_config(path))
+    return cfg.model_copy(update={"model": model, "tokenizer": tokenizer})
+
+
+def _check_model_layout(cfg: Config, dims: ParallelDims, where: str) -> None:
+    m, p = cfg.model, cfg.parallel
+    for heads in ("n_heads", "n_kv_heads"):
+        if getattr(m, heads) % dims.tp:
+            raise TrainbookError(f"model.{heads} = {getattr(m, heads)} is not divisible by tp = {dims.tp}",
+                                 where=f"{where}: parallel.tp")
+    if dims.pp == 1:
+        return
+    if cfg.precision.dtype == "fp16":
+        raise TrainbookError("fp16 needs loss scaling, which the pipeline schedules do not apply yet; "
+                             "use bf16 with pp > 1", where=f"{where}: precision.dtype")
+    if cfg.data.packing == "document":
+        raise TrainbookError("data.packing = document is not supported with pp > 1 yet (positions would "
+                             "have to travel between stages); use concat", where=f"{where}: data.packing")
+    stages = dims.pp * p.pp_stages_per_rank
+    if p.pp_split is not None:
+        if len(p.pp_split) != stages or any(n < 1 for n in p.pp_split) or sum(p.pp_split) != m.n_layers:
+            raise TrainbookError(
+                f"{p.pp_split} must be {stages} positive layer counts (one per stage) adding up to "
+                f"model.n_layers = {m.n_layers}", where=f"{where}: parallel.pp_split",
+            )
+    elif m.n_layers < stages:
+        raise TrainbookError(f"{stages} pipeline stages need at least {stages} layers; the model has {m.n_layers}",
+                             where=f"{where}: parallel.pp")
+
+
+def _divisors(n: int) -> list[int]:
+    """Divisors of n, largest first."""
+    return sorted((d for d in range(1, n + 1) if n % d == 0), reverse=True)
+
+
+def _rank_samples(cfg: Config, dims: ParallelDims, where: str) -> int:
+    """Samples each data-parallel rank contributes to one step, when the global batch splits evenly."""
+    t = cfg.train
+    per_sample = t.seq_len * dims.dp
+    if t.global_batch_tokens % per_sample:
+        fix = max(per_sample, round(t.global_batch_tokens / per_sample) * per_sample)
+        raise TrainbookError(
+            f"global_batch_tokens = {t.global_batch_tokens} does not split into whole samples of seq_len "
+            f"{t.seq_len} over {dims.dp} data-parallel ranks ({per_sample} tokens each); "
+            f"set train.global_batch_tokens={fix}", where=f"{where}: train.global_batch_tokens")
+    return t.global_batch_tokens // per_sample
+
+
+def _auto_micro_batch(cfg: Config, dims: ParallelDims, device_memory: int | None, where: str) -> int:
+    """The largest micro-batch that divides each rank's share of the global batch (and the
+    pipeline's micro-batches) and fits `device_memory` by `plan`'s memory estimate."""
+    if cfg.train.global_batch_tokens is None:
+        raise TrainbookError("auto needs train.global_batch_tokens (the batch it divides); set it, or a number",
+                             where=f"{where}: train.micro_batch_size")
+    samples = _rank_samples(cfg, dims, where)
+    step = pipeline_microbatches(cfg.parallel, dims.pp) if dims.pp > 1 else 1
+    sizes = [d for d in _divisors(samples) if d % step == 0]
+    if not sizes:
+        raise TrainbookError(
+            f"each data-parallel rank has {samples} samples per step, which cannot be cut into {step} pipeline "
+            f"micro-batches; set train.global_batch_tokens to a multiple of "
+            f"{cfg.train.seq_len * dims.dp * step}", where=f"{where}: train.micro_batch_size")
+    if device_memory is None or len(sizes) == 1:
+        return sizes[0]
+    from trainbook.parallel.plan import largest_fitting
+
+    inputs = PlanInputs(cfg.model, cfg.train, cfg.parallel, cfg.precision.dtype)
+    fitting = largest_fitting(inputs, dims, sizes, device_memory)
+    return fitting if fitting is not None else sizes[-1]  # the smallest; plan says how far off
+
+
+def _check_batch(cfg: Config, dims: ParallelDims, mbs: int, where: str) -> None:
+    """A fixed micro-batch that the global batch (or the pipeline) cannot use: name the fixes."""
+    t = cfg.train
+    if dims.pp > 1:
+        n = pipeline_microbatches(cfg.parallel, dims.pp)
+        if mbs % n:
+            raise TrainbookError(
+                f"train.micro_batch_size = {mbs} cannot be cut into {n} pipeline micro-batches; set "
+                f"train.micro_batch_size to a multiple of {n} (or auto)", where=f"{where}: parallel.pp_microbatches")
+    if t.global_batch_tokens is None or t.global_batch_tokens % (t.seq_len * mbs * dims.dp) == 0:
+        return
+    per_step = t.seq_len * mbs * dims.dp
+    fixes = ["train.micro_batch_size=auto"]
+    if t.global_batch_tokens % (t.seq_len * dims.dp) == 0:
+        samples = t.global_batch_tokens // (t.seq_len * dims.dp)
+        fixes += [f"train.micro_batch_size={d}" for d in _divisors(samples)[:2]]
+    fixes.append(f"train.global_batch_tokens={-(-t.global_batch_tokens // per_step) * per_step}")
+    raise TrainbookError(
+        f"global_batch_tokens = {t.global_batch_tokens} is not a multiple of seq_len x micro_batch_size x "
+        f"data-parallel ranks = {t.seq_len} x {mbs} x {dims.dp} = {per_step}; set " + ", or ".join(fixes),
+        where=f"{where}: train.global_batch_tokens")

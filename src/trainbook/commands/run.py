@@ -1,0 +1,105 @@
+"""`trainbook run`: resolve, pre-flight, then train in this process or start the workers.
+
+Every check that can fail on user input happens before the run directory exists, so a failed
+start leaves nothing behind and never touches an existing run.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+from pathlib import Path
+
+import torch
+
+from trainbook.atomic import atomic_write_json, atomic_write_text
+from trainbook.commands.preflight import ResumePoint, config_changes, prepare_data, resume_point
+from trainbook.commands.recipe import archived_config, recipe_and_overrides
+from trainbook.commands.resolve import Resolved, resolve
+from trainbook.config import dump_toml
+from trainbook.data import Prepared
+from trainbook.monitor import rewind_metrics
+from trainbook.parallel import pick_device
+from trainbook.parallel.runtime import Runtime, env_world_size, start_runtime
+from trainbook.runs import capture_env, create_run_dir
+from trainbook.train.trainer import Trainer
+
+
+def run_command(recipe: str | None, overrides: list[str] | None, run_dir: Path | None, resume: str,
+                nproc: int) -> tuple[str | None, int]:
+    """What `trainbook run` prints and its exit code."""
+    path, overrides = recipe_and_overrides(recipe, overrides, archived_config(run_dir, resume))
+    if nproc > 1:
+        from trainbook.commands.launch import launch
+
+        return None, launch(path, overrides, nproc, run_dir, resume)
+    world_size = env_world_size()
+    res = resolve(path, overrides, world_size, local_ranks=int(os.environ.get("LOCAL_WORLD_SIZE", world_size)))
+    summary = start_run(res, run_dir, resume)
+    if os.environ.get("RANK", "0") != "0":
+        return None, 0  # rank 0 reports for the run
+    loss = f", loss {summary['loss']:.4f}" if summary["loss"] is not None else ""
+    val = f", val_loss {summary['val_loss']:.4f}" if summary["val_loss"] is not None else ""
+    if summary["stopped_by"]:
+        return (f"stopped by {summary['stopped_by']} at step {summary['step']}{loss}; continue with: "
+                f"trainbook run --run-dir {summary['run_dir']}", 128 + signal.Signals[summary["stopped_by"]].value)
+    return f"done: {summary['step']} steps{loss}{val} -> {summary['run_dir']}", 0
+
+
+def start_run(res: Resolved, run_dir: Path | None = None, resume: str = "auto") -> dict:
+    """Train in this process (one of `res.world_size`): a new run directory, or a run continued
+    from a checkpoint.
+
+    `resume`: `auto` continues `run_dir` from its newest valid checkpoint when it holds a run
+    (a new or empty directory starts fresh), `never` always starts fresh, anything else is the
+    path of a checkpoint (or run) to continue from.
+    """
+    cfg = res.cfg
+    device = pick_device(cfg.run.device)
+    if cfg.run.threads:
+        torch.set_num_threads(cfg.run.threads)
+    rt = start_runtime(res.dims, device, cfg.parallel.timeout_s)
+    try:
+        # Rank 0 checks and writes; every rank gets its answer (or its one-line error).
+        start = rt.rank0_first(lambda: resume_point(res, resume, run_dir))
+        if rt.distributed:  # rank 0 fills the data cache; the others then read it
+            rt.rank0_first(lambda: prepare_data(res) and None)
+        data = prepare_data(res, log=_quiet if rt.distributed else print)
+        run_dir, dropped, changed = rt.rank0_first(lambda: _open_run_dir(res, run_dir, start, rt, data))
+
+        trainer = Trainer(cfg, run_dir, data, rt)
+        try:
+            if start is not None:
+                trainer.checkpointer.discard_uncommitted(resumed_step=start.manifest["step"])
+                trainer.load_checkpoint(start.path)
+                trainer.record_resume(start.path, skipped=start.skipped, changed=changed,
+                                      dropped_metric_lines=dropped)
+            return trainer.fit()
+        finally:
+            trainer.close()
+    finally:
+        rt.close()
+
+
+def _quiet(*args, **kwargs) -> None:
+    pass
+
+
+def _open_run_dir(res: Resolved, run_dir: Path | None, start: ResumePoint | None, rt: Runtime,
+                  data: Prepared) -> tuple[Path, int, dict]:
+    """The run directory: the run being continued (metrics rewound), or a new, archived one."""
+    cfg = res.cfg
+    if start is not None and start.run_dir is not None and (start.run_dir / "config.resolved.toml").is_file():
+        dropped = rewind_metrics(start.run_dir / "metrics.jsonl", start.manifest["step"])
+        changed = config_changes(start.manifest["config"], cfg)
+        if changed:
+            atomic_write_text(start.run_dir / "config.resolved.toml", dump_toml(cfg))
+        return start.run_dir, dropped, changed
+    run_dir = create_run_dir(cfg.run.runs_root, cfg.run.name, run_dir if start is None else start.run_dir)
+    atomic_write_text(run_dir / "recipe.toml", res.recipe.read_text(encoding="utf-8"))
+    atomic_write_text(run_dir / "config.resolved.toml", dump_toml(cfg))
+    env = capture_env(world_size=rt.world_size, device=rt.device)
+    env["parallel"] = rt.dims.sizes()
+    atomic_write_json(run_dir / "env.json", env, indent=2)
+    data.tokenizer.save(run_dir / "tokenizer")
+    return run_dir, 0, config_changes(start.manifest["config"], cfg) if start else {}

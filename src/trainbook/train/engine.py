@@ -1,0 +1,141 @@
+"""Step engines: how one layout runs forward and backward. The trainer holds one and never asks
+which.
+
+An engine owns what differs between layouts; `train_step` (train/step.py) owns what does not
+(accumulation, loss scaling, clipping, the update). The protocol:
+
+- `model`: the parameters this rank trains (the optimizer, checkpoints and reports use it);
+- `forward_backward(batch, accum_steps, scaler)`: forward and backward of one micro-batch, adding
+  its share (1 / accum_steps) of the step's mean loss gradient to `.grad`; returns this rank's
+  mean loss of the batch (detached), or None where this rank computes no loss;
+- `clip_grad_norm(max_norm)`: the global gradient norm (every shard, rank and stage), clipped to;
+- `eval_loss(batch)`: the batch's mean loss, forward only (None where no loss is computed);
+- `report_loss(mean)`, `report_eval(total)`: this rank's value -> the value every rank reports.
+
+`LocalEngine`: the whole model in this process, possibly sharded (FSDP, TP) or replicated (DDP).
+`PipelineEngine`: this rank's pipeline stages, driven by a `torch.distributed.pipelining`
+schedule that interleaves forward and backward.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+from trainbook.data.loader import Batch
+from trainbook.parallel.dims import ParallelDims
+from trainbook.parallel.pipeline import Pipeline, StageGroup
+from trainbook.parallel.runtime import Runtime
+from trainbook.phase import Phase, PhaseTracker
+from trainbook.precision import LossScaler, Precision
+
+
+def to_device(batch: Batch, device: torch.device) -> Batch:
+    return Batch(*(None if t is None else t.to(device, non_blocking=True) for t in batch))
+
+
+def logits_of(model: nn.Module, batch: Batch) -> torch.Tensor:
+    """The model's logits (B, T, V); positions (document packing) go in only when present."""
+    if batch.positions is None:
+        return model(batch.inputs)
+    return model(batch.inputs, batch.positions)
+
+
+def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Mean next-token cross entropy, computed in fp32 whatever the compute dtype."""
+    # logits: (B, T, V), targets: (B, T)
+    return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(0, 1))
+
+
+def clip_grad_norm(params: list[nn.Parameter], max_norm: float) -> torch.Tensor:
+    """Clip to the global gradient norm, the norm over every shard and rank.
+
+    In one process this is exactly `nn.utils.clip_grad_norm_`. Sharded gradients (FSDP, TP) are
+    DTensors whose norm DTensor reduces over their mesh.
+    """
+    grads = [p.grad for p in params if p.grad is not None]
+    norm = nn.utils.get_total_norm(grads)
+    if isinstance(norm, DTensor):
+        norm = norm.full_tensor()
+    nn.utils.clip_grads_with_norm_(params, max_norm, norm)
+    return norm
+
+
+class LocalEngine:
+    embeddings: tuple = ()
+    """Embedding matrices the optimizer cannot find by module type (none here)."""
+    optim_aliases: dict[str, str] = {}
+    """Parameter name -> the name its optimizer state is kept under in checkpoints (none here)."""
+
+    def __init__(self, model: nn.Module, precision: Precision, rt: Runtime, tracker: PhaseTracker):
+        self.model = model
+        self.precision = precision
+        self.rt = rt
+        self.tracker = tracker
+
+    @classmethod
+    def one_process(cls, model: nn.Module, precision: Precision) -> LocalEngine:
+        """An engine for `model` alone in this process, on `precision`'s device."""
+        return cls(model, precision, Runtime(0, 1, ParallelDims(1, 1, 1, 1), precision.device), PhaseTracker())
+
+    def forward_backward(self, batch: Batch, accum_steps: int, scaler: LossScaler) -> torch.Tensor:
+        self.tracker.enter(Phase.FORWARD)
+        with self.precision.autocast():
+            loss = lm_loss(logits_of(self.model, batch), batch.targets)
+        self.tracker.enter(Phase.BACKWARD)
+        # Each micro-batch carries 1/accum of the gradient: the sum is the full batch's mean.
+        (scaler.scale(loss) / accum_steps).backward()
+        return loss.detach()
+
+    def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
+        return clip_grad_norm(list(self.model.parameters()), max_norm)
+
+    def eval_loss(self, batch: Batch) -> torch.Tensor:
+        with self.precision.autocast():
+            return lm_loss(logits_of(self.model, batch), batch.targets)
+
+    def report_loss(self, mean: torch.Tensor) -> torch.Tensor:
+        dims = self.rt.dims  # tp ranks hold copies of one replica's loss
+        return self.rt.all_reduce_mean(mean, over=dims.dp * dims.tp)
+
+    def report_eval(self, total: torch.Tensor) -> torch.Tensor:
+        return total  # every rank evaluated the same batches
+
+
+class PipelineEngine:
+    def __init__(self, pipeline: Pipeline, precision: Precision, rt: Runtime, tracker: PhaseTracker):
+        self.pipeline = pipeline
+        self.model = StageGroup(pipeline.modules)
+        self.precision = precision
+        self.rt = rt
+        self.tracker = tracker
+        tied = pipeline.tied_weight()  # this rank's copy of a tied embedding, if any
+        # The last stage's copy is the head's weight: an embedding the optimizer must not decay.
+        self.embeddings = (tied,) if tied is not None else ()
+        # ... and its optimizer state keeps the embedding's name, so checkpoints move between
+        # pipeline and single-device layouts.
+        self.optim_aliases = {"output.weight": "tok_embeddings.weight"} \
+            if tied is not None and not pipeline.has_first else {}
+
+    def forward_backward(self, batch: Batch, accum_steps: int, scaler: LossScaler) -> torch.Tensor | None:
+        # TODO(fp16 + pp): the schedule runs backward of the loss itself, unscaled; resolution
+        # refuses fp16 with pp > 1 until the pipeline's loss_fn applies `scaler.scale`.
+        self.tracker.enter(Phase.FORWARD_BACKWARD)
+        with self.precision.autocast():
+            return self.pipeline.step(batch.inputs, batch.targets, accum_steps)
+
+    def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
+        return self.pipeline.clip_grad_norm_(max_norm)  # the norm spans every stage
+
+    def eval_loss(self, batch: Batch) -> torch.Tensor | None:
+        with self.precision.autocast():
+            return self.pipeline.eval_loss(batch.inputs, batch.targets)
+
+    def report_loss(self, mean: torch.Tensor) -> torch.Tensor:
+        # Only last-stage ranks hold a loss (the others add zeros); tp ranks hold copies.
+        dims = self.rt.dims
+        return self.rt.all_reduce_mean(mean, over=dims.dp * dims.tp)
+
+    report_eval = report_loss  # the last stage's sum, the same on every replica
