@@ -85,6 +85,15 @@ every_steps = 2
     return path
 
 
+@pytest.fixture(scope="session")
+def shakespeare_cache(tmp_path_factory) -> Path:
+    """The embedded default recipe's data, prepared once for every test that runs that recipe."""
+    cache = tmp_path_factory.mktemp("shakespeare") / "cache"
+    done = run_cli("prepare", f"data.cache_dir={cache}")
+    assert done.returncode == 0, done.stderr
+    return cache
+
+
 @pytest.fixture
 def recipe(tmp_path: Path, corpus: Path) -> Path:
     return write_recipe(tmp_path / "unit.toml", corpus)

@@ -135,10 +135,10 @@ def test_bench_data_compares_the_loader_with_training(recipe):
 
 
 @pytest.mark.slow
-def test_embedded_default_recipe_runs(tmp_path):
+def test_embedded_default_recipe_runs(tmp_path, shakespeare_cache):
     """`trainbook run` with no recipe: the packaged Shakespeare recipe, cut to two steps."""
     done = run_cli("run", "train.max_steps=2", "train.eval_steps=1", "train.micro_batch_size=2",
-                   "train.global_batch_tokens=512", f"data.cache_dir={tmp_path / 'cache'}",
+                   "train.global_batch_tokens=512", f"data.cache_dir={shakespeare_cache}",
                    f"run.runs_root={tmp_path / 'runs'}", cwd=tmp_path)
     assert done.returncode == 0, done.stderr
     run_dir = next((tmp_path / "runs" / "tiny-shakespeare").iterdir())
