@@ -5,12 +5,15 @@ of 2 accumulated passes with gradient clipping and an eval after each step; ever
 gradient norm and eval loss must match the single-process run (lm_loss on each whole batch)
 within 1e-5 relative.
 
-Final parameters are compared within 1e-5 relative (per tensor, in norm) to a single-process run
+Final parameters are compared within 3e-5 relative (per tensor, in norm) to a single-process run
 that cuts each batch into the same rows per chunk as the pipeline does. Not to the whole-batch
 run: AdamW divides each element's gradient by its own magnitude, so elements whose gradient is
 near zero turn a summation-order rounding difference into a visible update difference. Measured
 here, one process, whole batches vs 2 chunks (mathematically the same gradient): 3.4e-5 relative
-after 3 steps at lr 1e-2, 8e-6 at lr 1e-3; the pipeline vs the chunked run: 1.3e-6.
+after 3 steps at lr 1e-2, 8e-6 at lr 1e-3; the pipeline vs the chunked run: 1.3e-6, but up to
+1.1e-5 with FSDP over 2 data-parallel ranks on some CPUs (each rank accumulates its own chunks,
+then the reduce-scatter averages them: a third summation order). A wrong gradient (a missing or
+doubled chunk, an unsummed tied copy) moves weights by 1e-2 relative and more.
 """
 
 from __future__ import annotations
@@ -89,7 +92,7 @@ def close(a, b) -> bool:
 
 def close_tensor(a: torch.Tensor, b: torch.Tensor) -> bool:
     a, b = a.detach().double(), b.detach().double()
-    return ((a - b).norm() <= 1e-5 * b.norm()).item()
+    return ((a - b).norm() <= 3e-5 * b.norm()).item()
 
 
 @pytest.mark.parametrize("case", TWO_RANKS + FOUR_RANKS)

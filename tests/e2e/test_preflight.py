@@ -40,7 +40,8 @@ def test_fewer_samples_than_one_batch_of_every_rank_is_found_by_the_launcher(tmp
     """Needs the data: the launcher prepares it (the cache), then refuses before any worker."""
     recipe = write_recipe(tmp_path / "r.toml", corpus)
     line = _fails_before_anything(tmp_path, str(recipe), "train.seq_len=512", "model.max_seq_len=512",
-                                  "train.micro_batch_size=64", "train.global_batch_tokens=65536")
+                                  "train.eval_every=0", "train.micro_batch_size=64",
+                                  "train.global_batch_tokens=65536")
     assert f"{recipe}: train.seq_len:" in line and "fewer than one batch of 128" in line
 
 

@@ -140,12 +140,16 @@ class PlainConsole(LogLines):
     def __init__(self, every_steps: int, max_steps: int):
         printer = logging.getLogger("trainbook.console")
         printer.propagate = False
-        if not printer.handlers:
-            handler = logging.StreamHandler(sys.stdout)
-            handler.setFormatter(logging.Formatter("%(message)s"))
-            printer.addHandler(handler)
+        # This run's handler, on the stdout of now, removed at close: a second run in the same
+        # process (a benchmark, a notebook) prints to its own stdout, once.
+        self._handler = logging.StreamHandler(sys.stdout)
+        self._handler.setFormatter(logging.Formatter("%(message)s"))
+        printer.addHandler(self._handler)
         printer.setLevel(logging.INFO)
         super().__init__(printer, every_steps, max_steps)
+
+    def close(self) -> None:
+        self.logger.removeHandler(self._handler)
 
 
 class ProgressBar:
