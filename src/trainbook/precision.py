@@ -51,8 +51,9 @@ FP32_OPS: dict[str, Fp32Op] = {
     # Angles position * theta^(-2i/d) reach max_seq_len radians: in bf16 an angle near 1000 is
     # off by up to 2 radians (its spacing there is 4), so nearby positions become one.
     "rope": Fp32Op(
-        "model/llama.py rope_tables (fp32 buffers; FSDP casts parameters, not buffers) and "
-        "apply_rope (x.float() before the rotation; the result is cast back)",
+        "model/llama.py rope_tables (fp32 buffers, which FSDP does not cast; the blocks get them as "
+        "inputs, which parallel/apply.py apply_fsdp leaves uncast) and apply_rope (x.float() before "
+        "the rotation; the result is cast back)",
         "angles at long positions lose whole rotations in bf16/fp16"),
     # log-softmax over the vocabulary: a 128K-term log-sum-exp, and the loss is what gets scaled.
     "loss": Fp32Op(

@@ -9,20 +9,25 @@ on the same process group: build this rank's part of the model exactly as the tr
 step on a fixed batch (this data-parallel rank's rows), then one more forward + backward under
 saved-tensor hooks, and write OUT_DIR/<case>-rank<R>.json: per parameter name, the bytes of the
 local shard of the parameter, of its gradient and of each optimizer state tensor this rank
-actually holds; and the bytes autograd saved for backward in that pass (`SavedBytes`).
+actually holds; and the most bytes kept for backward at once in that pass (`SavedBytes`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import sys
 from pathlib import Path
+import weakref
 from types import SimpleNamespace
 
 import torch
 import torch.distributed as dist
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
+from trainbook.parallel.apply import _SAVE_OPS
 from trainbook.parallel.runtime import Runtime
 from trainbook.precision import Precision
 from trainbook.train.optim import build_optimizer
@@ -40,29 +45,122 @@ def local_bytes(t: torch.Tensor) -> int:
     return local.numel() * local.element_size()
 
 
+class _Held:
+    """What the pack hook hands autograd: the tensor, and what to call when autograd drops it
+    (after that node's backward, or with its graph)."""
+
+    __slots__ = ("tensor", "release")
+
+    def __init__(self, tensor: torch.Tensor, release):
+        self.tensor, self.release = tensor, release
+
+    def __del__(self):
+        self.release()
+
+
 class SavedBytes(torch.autograd.graph.saved_tensors_hooks):
-    """Bytes of the distinct storages autograd saves for backward while active: activations only
-    (parameters, their views, FSDP's gathered parameters and the RoPE buffers are not counted)."""
+    """The peak, while active, of the bytes of the distinct storages kept for backward: what
+    autograd saves (parameters, their views, FSDP's gathered parameters and the RoPE buffers not
+    counted), what selective checkpointing caches outside autograd (`selective`), and the output
+    a pipeline stage holds until that micro-batch's backward (`stage_outputs`). A storage counts
+    while anything holds it, so 1F1B's interleaved forwards and backwards are measured as they
+    overlap. Not counted: a later stage's receive buffers, allocated once per micro-batch for
+    the whole run (communication buffers; autograd saves them in fp32, and that counts)."""
 
     def __init__(self, modules: list[torch.nn.Module]):
         self.skip = {b.untyped_storage().data_ptr() for m in modules for b in m.buffers()}
-        self.seen: dict[int, int] = {}
-        super().__init__(self._pack, lambda t: t)
-
-    def _pack(self, t: torch.Tensor) -> torch.Tensor:
-        base = t._base if t._base is not None else t
-        if not isinstance(base, torch.nn.Parameter):  # a parameter or a view of one: not counted
-            inner = t
-            while hasattr(inner, "__tensor_flatten__"):  # DTensor, AsyncCollectiveTensor: the plain tensor
-                inner = getattr(inner, inner.__tensor_flatten__()[0][0])
-            storage = inner.untyped_storage()
-            if storage.data_ptr() not in self.skip:
-                self.seen[storage.data_ptr()] = storage.nbytes()
-        return t
+        self.holders: dict[int, int] = {}  # storage address -> things holding it
+        self.sizes: dict[int, int] = {}
+        self.live = self.peak = 0
+        self.group: list | None = None  # the running checkpointed block's [holders, done, cached]
+        self.cached: _SelectiveCache | None = None
+        super().__init__(self._pack, lambda held: held.tensor)
 
     @property
     def total(self) -> int:
-        return sum(self.seen.values())
+        return self.peak
+
+    def hold(self, t: torch.Tensor) -> int | None:
+        while hasattr(t, "__tensor_flatten__"):  # DTensor, AsyncCollectiveTensor: the plain tensor
+            t = getattr(t, t.__tensor_flatten__()[0][0])
+        storage = t.untyped_storage()
+        key = storage.data_ptr()
+        if key in self.skip:
+            return None
+        if key not in self.holders:
+            self.holders[key], self.sizes[key] = 0, storage.nbytes()
+            self.live += self.sizes[key]
+            self.peak = max(self.peak, self.live)
+        self.holders[key] += 1
+        return key
+
+    def drop(self, key: int | None) -> None:
+        if key is not None:
+            self.holders[key] -= 1
+            if not self.holders[key]:
+                del self.holders[key]
+                self.live -= self.sizes.pop(key)
+
+    def _pack(self, t: torch.Tensor) -> _Held:
+        base = t._base if t._base is not None else t
+        key = None if isinstance(base, torch.nn.Parameter) else self.hold(t)
+        group = self.group
+        if group is None:
+            return _Held(t, lambda: self.drop(key))
+        group[0] += 1
+
+        def release():
+            self.drop(key)
+            group[0] -= 1
+            self._close(group)
+        return _Held(t, release)
+
+    def _close(self, group: list) -> None:
+        # Selective checkpointing's cache belongs to the checkpoint of one block call, which
+        # lives as long as what that call saved (its inputs): both go in the block's backward.
+        if group[1] and group[0] == 0:
+            for key in group[2]:
+                self.drop(key)
+            group[2] = []
+
+    def selective(self, blocks) -> _SelectiveCache:
+        """Count the outputs selective checkpointing keeps in `blocks` (apply._SAVE_OPS): enter
+        the returned dispatch mode around the pass too."""
+        for block in blocks:
+            block.register_forward_pre_hook(lambda *a: setattr(self, "group", [0, False, []]))
+            block.register_forward_hook(lambda *a: self._end_block())
+        self.cached = _SelectiveCache(self)
+        return self.cached
+
+    def _end_block(self) -> None:
+        group, self.group = self.group, None
+        group[1] = True
+        self._close(group)
+
+    def stage_outputs(self, modules: list[torch.nn.Module]) -> None:
+        """Count each pipeline stage's output for as long as it lives (the stage's cache)."""
+        def hook(module, args, output):
+            for t in tree_leaves(output):
+                if isinstance(t, torch.Tensor):
+                    weakref.finalize(t, self.drop, self.hold(t))
+        for m in modules:
+            m.register_forward_hook(hook)
+
+
+class _SelectiveCache(TorchDispatchMode):
+    """Outer to checkpointing's own mode, so it sees what that mode caches: the outputs of the
+    ops it must save, inside a block's forward (its recomputation reads them from the cache)."""
+
+    def __init__(self, saved: SavedBytes):
+        super().__init__()
+        self.saved = saved
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        group = self.saved.group
+        if group is not None and func in _SAVE_OPS:
+            group[2] += [self.saved.hold(t) for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
+        return out
 
 
 def run_case(name: str, overrides: list[str], out_dir: Path) -> None:
@@ -95,10 +193,14 @@ def run_case(name: str, overrides: list[str], out_dir: Path) -> None:
     forward_backward()
     optimizer.step()  # creates the optimizer state
     # A second pass, measured: a pipeline infers its shapes in the first (one more forward).
-    # Every pack happens in forward; GPipe runs all micro-batches' forwards before any
-    # backward, so no saved storage is freed (and its address reused) while counting.
-    saved = SavedBytes(pipeline.modules if pipeline is not None else [model])
-    with saved:
+    modules = pipeline.modules if pipeline is not None else [model]
+    saved = SavedBytes(modules)
+    cached = contextlib.nullcontext()
+    if cfg.train.activation_checkpoint == "selective":
+        cached = saved.selective([b for m in modules for b in m.layers.values()])
+    if pipeline is not None:
+        saved.stage_outputs(modules)
+    with saved, cached:
         forward_backward()
 
     params = {}

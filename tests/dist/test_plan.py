@@ -3,13 +3,16 @@
 Each layout of the tiny model is built on real ranks exactly as the trainer builds it, trained one
 step, and every rank reports the bytes of its local parameter shards, gradients and AdamW states:
 plan's numbers must equal them exactly, per rank and per parameter. The same ranks measure the
-bytes autograd saves for backward in a forward pass (saved-tensor hooks, distinct storages):
-plan's activation estimate must be within 20% of them. In one process, the estimate is held
-against the hooks for every checkpointing mode, in fp32 and bf16.
+most bytes kept for backward at once during a forward + backward (saved-tensor hooks, distinct
+storages, with selective checkpointing's cache and a pipeline stage's outputs; `SavedBytes`):
+plan's activation estimate must be within 5% of them, for every pipeline schedule and
+checkpointing mode. In one process, the estimate is held against the hooks for every
+checkpointing mode, in fp32 and bf16.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import subprocess
 import sys
@@ -17,12 +20,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves
 
 from tests.dist.plan_worker import SavedBytes
 from trainbook.model import build_model
-from trainbook.parallel.apply import _SAVE_OPS, ApplyOptions, parallelize
+from trainbook.parallel.apply import ApplyOptions, parallelize
 from trainbook.parallel.plan import _rank_of, simulate
 from trainbook.commands.plan import plan_command
 from trainbook.precision import Precision
@@ -32,13 +33,21 @@ from trainbook.train.engine import lm_loss
 WORKER = Path(__file__).with_name("plan_worker.py")
 RECIPE = Path(__file__).resolve().parents[2] / "recipes" / "tiny-shakespeare.toml"
 COMMON = ["model.name=tiny", "train.seq_len=32", "train.micro_batch_size=2"]
+PP2 = ["parallel.dp_shard=1", "parallel.pp=2"]
+PP2_4MB = PP2 + ["train.micro_batch_size=4", "parallel.pp_microbatches=4"]  # 1F1B's ranks then differ
 TWO_RANKS = {
     "fsdp2": ["parallel.dp_shard=2"],
-    "fsdp2-uneven": ["parallel.dp_shard=2", "model.vocab_size=1001"],  # 501 + 500 rows
+    # bf16 under FSDP2's policy: the blocks get the fp32 RoPE tables uncast (no copy per block).
+    "fsdp2-uneven-bf16-selective": ["parallel.dp_shard=2", "model.vocab_size=1001",  # 501 + 500 rows
+                                    "precision.dtype=bf16", "train.activation_checkpoint=selective"],
     "tp2": ["parallel.dp_shard=1", "parallel.tp=2"],
     # Untied, a TP embedding without FSDP gets a Replicate gradient (the whole table per rank).
     "tp2-untied-bf16": ["parallel.dp_shard=1", "parallel.tp=2", "model.tie_embeddings=false", "precision.dtype=bf16"],
-    "pp2": ["parallel.dp_shard=1", "parallel.pp=2", "parallel.pp_schedule=gpipe"],
+    "pp2": PP2 + ["parallel.pp_schedule=gpipe"],
+    "pp2-1f1b-bf16-selective": PP2_4MB + ["parallel.pp_schedule=1f1b", "precision.dtype=bf16",
+                                          "train.activation_checkpoint=selective"],
+    "pp2-interleaved-full": PP2_4MB + ["parallel.pp_schedule=interleaved1f1b", "parallel.pp_stages_per_rank=2",
+                                       "train.activation_checkpoint=full"],
 }
 FOUR_RANKS = {
     "hsdp2x2-bf16": ["parallel.dp_replicate=2", "parallel.dp_shard=2", "precision.dtype=bf16"],
@@ -96,35 +105,16 @@ def test_plan_bytes_equal_what_each_rank_holds(measured, case, world_size):
 
 
 @pytest.mark.parametrize("case, world_size", CASE_SIZES)
-def test_activation_estimate_within_20_percent_of_saved_tensors(measured, case, world_size):
-    """Pipelines: GPipe, measured on the second pass (see the worker). A non-last stage also keeps
-    each micro-batch's output for its backward (PipelineStage's cache, outside autograd), which the
-    plan counts and the hooks do not see: it is the whole difference there."""
+def test_activation_estimate_within_5_percent_of_what_is_kept(measured, case, world_size):
+    """Pipelines: where in its schedule a rank holds the most (its in-flight micro-batches, by
+    stage). What is left over is the input and target chunks: views of the whole batch, whose
+    storage is counted once rather than per micro-batch (under 0.2%)."""
     plan = json.loads(plan_command(RECIPE, CASES[case], world_size, None, as_json=True))
     mode = plan["memory"]["activation_checkpoint"]
     for rank, held in enumerate(measured[case]):
         estimate = plan["memory"]["per_rank"][rank]["activations"][mode]["kept"]
-        assert abs(estimate - held["saved_bytes"]) <= 0.2 * held["saved_bytes"], (case, rank, estimate, held)
-
-
-class CachedOutputs(TorchDispatchMode):
-    """Storages of the outputs selective checkpointing keeps (apply._SAVE_OPS) inside blocks:
-    its cache holds them outside autograd, where saved-tensor hooks do not see them."""
-
-    def __init__(self, blocks):
-        super().__init__()
-        self.inside, self.seen = 0, {}
-        for block in blocks:
-            block.register_forward_pre_hook(lambda *a: setattr(self, "inside", self.inside + 1))
-            block.register_forward_hook(lambda *a: setattr(self, "inside", self.inside - 1))
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        if self.inside and func in _SAVE_OPS:
-            for t in tree_leaves(out):
-                if isinstance(t, torch.Tensor):
-                    self.seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
-        return out
+        actual = held["saved_bytes"]
+        assert abs(estimate - actual) <= 0.05 * actual, (case, rank, estimate, actual)
 
 
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
@@ -134,11 +124,12 @@ def test_activation_estimate_in_one_process(mode, dtype):
     cfg = res.cfg
     model = parallelize(build_model(cfg.model, "cpu", seed=0), res.dims, None, ApplyOptions(mode))
     tokens = torch.randint(0, cfg.model.vocab_size, (cfg.train.micro_batch_size, cfg.train.seq_len + 1))
-    saved, cached = SavedBytes([model]), CachedOutputs(model.layers.values())
+    saved = SavedBytes([model])
+    cached = saved.selective(model.layers.values()) if mode == "selective" else contextlib.nullcontext()
     with saved, cached, Precision(cfg.precision, torch.device("cpu")).autocast():
         lm_loss(model(tokens[:, :-1].contiguous()), tokens[:, 1:].contiguous())
-    actual = saved.total + (sum(cached.seen.values()) if mode == "selective" else 0)
+    actual = saved.total
     plan = json.loads(plan_command(RECIPE, COMMON + [f"train.activation_checkpoint={mode}",
                                                      f"precision.dtype={dtype}"], 1, None, as_json=True))
     estimate = plan["memory"]["per_rank"][0]["activations"][mode]["kept"]
-    assert abs(estimate - actual) <= 0.2 * actual, (estimate, actual)
+    assert abs(estimate - actual) <= 0.05 * actual, (estimate, actual)

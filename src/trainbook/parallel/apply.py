@@ -155,7 +155,8 @@ def apply_fsdp(model: nn.Module, mesh, mp_policy=None) -> None:
 
     mp = mp_policy if mp_policy is not None else MixedPrecisionPolicy()
     # Blocks take the residual stream (already in the compute dtype: the embedding ran in it) and
-    # the RoPE tables, which must stay fp32 (precision.FP32_OPS): no casting of block inputs.
+    # the RoPE tables, which must stay fp32 (precision.FP32_OPS): no casting of block inputs, so
+    # no block keeps a low-precision copy of the tables either (tests/dist/test_fsdp_numerics.py).
     block_mp = dataclasses.replace(mp, cast_forward_inputs=False)
     blocks = list(model.layers.values())
     for i, block in enumerate(blocks):

@@ -4,6 +4,7 @@ tests/dist/test_plan.py) and communication buffers, and the verdict against a de
 
 from __future__ import annotations
 
+from itertools import accumulate
 from typing import TYPE_CHECKING
 
 from trainbook.parallel.dims import MESH_DIMS, ParallelDims
@@ -12,7 +13,7 @@ from trainbook.sizes import human
 if TYPE_CHECKING:
     from trainbook.parallel.plan import PlanInputs
 
-__all__ = ["activation_terms", "activations", "human", "weight_casts"]
+__all__ = ["activation_terms", "activations", "human", "schedule_actions", "weight_casts"]
 
 
 def _rank_of(dims: ParallelDims, coord: dict[str, int]) -> int:
@@ -63,10 +64,14 @@ def activation_terms(cfg: PlanInputs, samples: int, tp: int, r: int = 4) -> dict
       SwiGLU (/ tp): w1 out, w3 out, silu(w1 out), their product       4 S F c
     `full` checkpointing keeps each block's input only (S D r / tp); `selective` keeps the input
     and the outputs of the matmuls and attention (q, k, v, attention out + logsumexp, w1, w3 / tp;
-    wo and w2 whole, before their reduce-scatter). Outside the blocks: the token ids (first
-    stage); on the last stage the final norm, its gathered output, the fp32 log-probabilities of
-    the loss (S x vocab) and the targets. tests/dist/test_plan.py holds this against saved-tensor
-    hooks on real ranks (fp32 and bf16, FSDP and TP, with and without checkpointing).
+    wo and w2 whole, before their reduce-scatter). The RoPE tables are the model's fp32 buffers,
+    passed to every block as they are (FSDP does not cast block inputs: `apply_fsdp`): nothing per
+    block. Outside the blocks: the token ids (first stage); on the last stage the final norm, its
+    gathered output, the fp32 log-probabilities of the loss (S x vocab) and the targets. A
+    pipeline stage also holds its output until the micro-batch's backward: the residual stream,
+    or on the last stage the logits (S x vocab, compute dtype). tests/dist/test_plan.py holds this
+    against saved-tensor hooks on real ranks (fp32 and bf16, FSDP, TP and every pipeline
+    schedule, with and without checkpointing).
     """
     m, T = cfg.model, cfg.train.seq_len
     c = _compute_bytes(cfg)
@@ -74,18 +79,17 @@ def activation_terms(cfg: PlanInputs, samples: int, tp: int, r: int = 4) -> dict
     kv = m.n_kv_heads * (m.dim // m.n_heads)
     norm = (4 * S * D + 4 * S + r * S * D) // tp  # one norm, sequence-sharded
     inputs = 5 * S * D * 2 if c == 2 and r == 4 else 2 * S * D * c
-    # FSDP's mixed-precision policy casts every floating block input to bf16, the RoPE tables
-    # (max_seq_len x head_dim / 2, cos and sin) included: each block keeps its own copy.
-    rope = 2 * m.max_seq_len * (D // H // 2) * 2 if r == 2 else 0
-    none = rope + 2 * norm + inputs + ((2 * D + 2 * kv + 4 * F) * S * c + 4 * S * H) // tp
-    full = rope + S * D * r // tp
+    none = 2 * norm + inputs + ((2 * D + 2 * kv + 4 * F) * S * c + 4 * S * H) // tp
+    full = S * D * r // tp
     selective = full + ((2 * D + 2 * kv + 2 * F) * S * c + 4 * S * H) // tp + 2 * S * D * c
     return {
         "block_none": none, "block_full": full, "block_selective": selective,
         "embedding": 8 * S,  # the token ids (int64)
         # final norm, its gathered output, log-probabilities, targets, the loss's weight total
         "head": norm + S * D * c + S * m.vocab_size * 4 + 8 * S + 4,
-        "stage_output": S * D * r // tp,  # kept by a pipeline stage until its backward
+        # Kept by a pipeline stage until the micro-batch's backward (PipelineStage's cache).
+        "stage_output": S * D * r // tp,
+        "stage_logits": S * m.vocab_size * c,  # the last stage's output (whole vocabulary)
         # The logits (whole vocabulary on every tp rank) and their gradient, around the loss.
         "logits_transient": S * m.vocab_size * (4 + (c if c != 4 else 0)),
     }
@@ -107,37 +111,58 @@ def weight_casts(cfg: PlanInputs, dims: ParallelDims, held: dict) -> dict[str, i
 
 def activations(cfg: PlanInputs, dims: ParallelDims, pipeline: dict | None, pp_rank: int,
                 casts: dict[str, int] | None = None) -> dict[str, dict]:
-    """Per checkpointing mode: `kept` (saved for backward once every in-flight micro-batch has run
-    its forward, plus autocast's weight copies `casts`) and `peak` (kept + one block's recompute +
-    the logits around the loss)."""
+    """Per checkpointing mode: `kept` (the most saved for backward at once: by a pipeline at the
+    point of its schedule where the in-flight micro-batches' stages hold the most, plus
+    autocast's weight copies `casts`) and `peak` (kept + one block's recompute + the logits
+    around the loss)."""
     t, p = cfg.train, cfg.parallel
     casts = casts or {}
     if pipeline is None:
         stages = [(cfg.model.n_layers, True, True)]
-        samples, in_flight, per_rank = t.micro_batch_size, 1, 1
+        samples, ops = t.micro_batch_size, [(1, 0)]
     else:
         stages = [(s["layers"][1] - s["layers"][0], s["embedding"], s["head"])
                   for s in pipeline["stages"] if s["pp_rank"] == pp_rank]
-        n_mb, per_rank = pipeline["microbatches"], p.pp_stages_per_rank
+        n_mb = pipeline["microbatches"]
         samples = t.micro_batch_size // n_mb
-        if p.pp_schedule == "gpipe":  # every forward before any backward
-            in_flight = n_mb
-        elif p.pp_schedule == "1f1b":  # warm-up forwards + one: the first stage holds pp of them
-            in_flight = min(n_mb, dims.pp - pp_rank)
-        else:  # interleaved: torch's warm-up count of stage-chunks, + one
-            in_flight = min(n_mb * per_rank, (per_rank - 1) * dims.pp + 2 * (dims.pp - 1 - pp_rank) + 1)
+        ops = schedule_actions(p.pp_schedule, n_mb, dims.pp, pp_rank, len(stages))
     a = activation_terms(cfg, samples, dims.tp, _residual_bytes(cfg, dims))
     has_last = any(last for _, _, last in stages)
+    # What a stage's micro-batch keeps after its forward; a pipeline stage also holds its output.
+    outside = {"first": a["embedding"], "last": a["head"] + (a["stage_logits"] if pipeline else 0),
+            "middle": a["stage_output"]}
     out = {}
     for mode in ("none", "full", "selective"):
-        one = sum(n * a[f"block_{mode}"] + first * a["embedding"]
-                  + (a["head"] if last else a["stage_output"]) for n, first, last in stages)
-        kept = one * in_flight // per_rank + casts.get(mode, 0)  # interleaved: in-flight stage-chunks
+        chunk = [n * a[f"block_{mode}"] + first * outside["first"] + (outside["last"] if last else outside["middle"])
+                 for n, first, last in stages]
+        kept = max(accumulate(sign * chunk[stage] for sign, stage in ops)) + casts.get(mode, 0)
         peak = kept + a["block_none"] - a[f"block_{mode}"] + (a["logits_transient"] if has_last else 0)
         out[mode] = {"kept": kept, "peak": peak}
-    out["in_flight_microbatches"] = in_flight
+    out["in_flight_microbatches"] = max(accumulate(sign for sign, _ in ops))  # stage-chunks at most
     out["microbatch_samples"] = samples
     return out
+
+
+def schedule_actions(schedule: str, n_mb: int, pp: int, pp_rank: int, local: int) -> list[tuple[int, int]]:
+    """Pipeline rank `pp_rank`'s forwards (+1) and backwards (-1) in the order torch 2.13's
+    schedule runs them, each with the index of its stage among the rank's `local` stages."""
+    if schedule == "gpipe":  # every forward before any backward
+        return [(1, 0)] * n_mb + [(-1, 0)] * n_mb
+    if schedule == "1f1b":  # warm-up forwards (the first stage pp of them), then one each
+        warm = min(n_mb, pp - pp_rank)
+        return [(1, 0)] * warm + [(-1, 0), (1, 0)] * (n_mb - warm) + [(-1, 0)] * warm
+    # Interleaved 1F1B (ScheduleInterleaved1F1B): micro-batches go in rounds, a round through
+    # each local stage in turn (backwards from the last); after the warm-up each forward is
+    # followed by a backward.
+    per_round = n_mb // max(1, n_mb // pp)
+    total = n_mb * local
+    warm = min((local - 1) * per_round + 2 * (pp - 1 - pp_rank), total)
+    forward = [(1, (i // per_round) % local) for i in range(total)]
+    backward = [(-1, local - 1 - (i // per_round) % local) for i in range(total)]
+    ops = forward[:warm]
+    for i in range(warm, total):
+        ops += [forward[i], backward[i - warm]]
+    return ops + backward[total - warm:]
 
 
 def _transient(cfg: PlanInputs, dims: ParallelDims, held: dict, grads: int) -> int:

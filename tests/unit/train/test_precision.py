@@ -113,17 +113,21 @@ def trace_forward(model, tokens, positions, prec: Precision):
     return log.ops
 
 
-def check_rmsnorm_statistics(ops, model):
+# Each check takes the op log of a forward and the model's number of blocks; tests/dist/
+# test_fsdp_numerics.py runs them on forwards under FSDP2 too.
+
+
+def check_rmsnorm_statistics(ops, n_layers):
     norms = [o for o in ops if o[0].endswith("norm") and o[1] in ("pow", "mean", "rsqrt")]
-    assert len(norms) == 3 * (2 * len(model.layers) + 1)  # every norm ran its statistics
+    assert len(norms) == 3 * (2 * n_layers + 1)  # every norm ran its statistics
     assert all(d == [torch.float32] for _, _, d in norms), norms
 
 
-def check_attention_softmax(ops, model):
+def check_attention_softmax(ops, n_layers):
     # The fused kernels accumulate in fp32 (test_attention_accumulates_in_fp32 measures it); the
     # unfused math kernel must then get fp32 inputs itself.
     sdpa = [o for o in ops if "scaled_dot_product" in o[1]]
-    assert len(sdpa) == len(model.layers)
+    assert len(sdpa) == n_layers
     for _, name, dtypes in sdpa:
         assert name in FUSED_SDPA or set(dtypes) == {torch.float32}, (name, dtypes)
 
@@ -134,16 +138,15 @@ FUSED_SDPA = {
 }
 
 
-def check_rope(ops, model):
-    assert model.rope_cos.dtype == model.rope_sin.dtype == torch.float32
-    # apply_rope is the only arithmetic an Attention runs itself (its projections are children):
+def check_rope(ops, n_layers):
+    # The tables are fp32 (the callers check what the blocks receive); apply_rope is the only arithmetic an Attention runs itself (its projections are children):
     # per call 4 mul, 1 sub, 1 add, 1 cat, for q and for k.
     rope = [o for o in ops if o[0].endswith(".attention") and o[1] in ("mul", "sub", "add", "cat")]
-    assert len(rope) == 2 * 7 * len(model.layers)
+    assert len(rope) == 2 * 7 * n_layers
     assert all(set(d) == {torch.float32} for _, _, d in rope), rope
 
 
-def check_loss(ops, model):
+def check_loss(ops, n_layers):
     loss = [o for o in ops if o[1] in ("_log_softmax", "nll_loss_forward", "nll_loss2d_forward")]
     assert [o[1] for o in loss] == ["_log_softmax", "nll_loss_forward"]
     assert all(d == [torch.float32] for _, _, d in loss), loss
@@ -161,23 +164,23 @@ def test_every_fp32_op_is_checked():
     assert set(CHECKS) == set(FP32_OPS)
 
 
-@pytest.mark.parametrize("mode", ["autocast", "fsdp"])
-@pytest.mark.parametrize("dtype", LOW, ids=dtype_name)
-def test_fp32_ops_compute_in_fp32(dtype, mode):
-    """Under autocast (no FSDP), and as FSDP2's policy runs the model: parameters cast to the
-    compute dtype, buffers (the RoPE tables) left fp32, no autocast."""
-    model = debug_model()
-    prec = precision(dtype_name(dtype), fsdp=mode == "fsdp")
-    if mode == "fsdp":
-        for p in model.parameters():
-            p.data = p.data.to(dtype)
+def trace_inputs() -> tuple[torch.Tensor, list[torch.Tensor | None]]:
+    """Tokens (2, 33) for the debug model, and positions: none, or two documents per row."""
     tokens = torch.randint(0, 512, (2, 33), generator=torch.Generator().manual_seed(0))
-    positions = torch.cat([torch.arange(12), torch.arange(20)]).expand(2, -1)  # two documents
-    for pos in (None, positions):
-        ops = trace_forward(model, tokens, pos, prec)
+    return tokens, [None, torch.cat([torch.arange(12), torch.arange(20)]).expand(2, -1)]
+
+
+@pytest.mark.parametrize("dtype", LOW, ids=dtype_name)
+def test_fp32_ops_compute_in_fp32_under_autocast(dtype):
+    """Without FSDP: autocast. Under FSDP2's policy (on real ranks): tests/dist/test_fsdp_numerics.py."""
+    model = debug_model()
+    assert model.rope_cos.dtype == model.rope_sin.dtype == torch.float32
+    tokens, positions = trace_inputs()
+    for pos in positions:
+        ops = trace_forward(model, tokens, pos, precision(dtype_name(dtype)))
         assert any(o[1] == "mm" and set(o[2]) == {dtype} for o in ops)  # the matmuls are low precision
         for name, check in CHECKS.items():
-            check(ops, model)
+            check(ops, len(model.layers))
 
 
 @pytest.mark.parametrize("dtype", LOW, ids=dtype_name)
