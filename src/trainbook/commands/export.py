@@ -5,8 +5,10 @@
     --format hf            OUT/model.safetensors      `LlamaForCausalLM` names (model.hf)
                            OUT/config.json            from the run's resolved model config
                            OUT/generation_config.json the tokenizer's bos/eos/pad ids
-                           OUT/<tokenizer files>      the run's `tokenizer/` folder, as saved, plus
-                                                      tokenizer_config.json for a tokenizer.json
+                           OUT/<tokenizer files>      the run's `tokenizer/` folder, plus
+                                                      tokenizer_config.json for a tokenizer.json;
+                                                      that file's post-processor is set to add what
+                                                      the run adds (BOS with `add_bos`, else none)
 
 Only the checkpoint's `model.*` entries are read, straight into tensors of the export dtype: no
 model is initialised and no optimizer state is allocated, so peak memory is one copy of the weights
@@ -145,6 +147,9 @@ def _write_hf(
             if f.is_file():
                 shutil.copy2(f, tmp / f.name)
     if (tmp / "tokenizer.json").is_file():
+        if _match_post_processor(tmp / "tokenizer.json", specials):
+            # tokenizer_meta.json names the file as trained, by its sha256: it would now fail to load.
+            (tmp / TOKENIZER_META).unlink(missing_ok=True)
         _write_json(tmp / "tokenizer_config.json", _hf_tokenizer_config(specials, cfg.max_seq_len))
 
 
@@ -164,14 +169,41 @@ def _hf_tokenizer_config(specials: dict, max_len: int) -> dict:
     # Names the specials (without it transformers' tokenizer knows no eos_token_id) and picks the
     # generic fast class, which runs tokenizer.json as trainbook does; transformers 4.x would
     # otherwise pick LlamaTokenizerFast for model_type "llama", which inserts a BOS of its own.
-    # TODO(add_bos): a run with `tokenizer.add_bos` prepends BOS itself; HF's generic class does
-    # not, and making it would mean editing tokenizer.json (breaking tokenizer_meta's sha256).
     config = {"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": max_len,
               "clean_up_tokenization_spaces": False}  # fmt: skip
     for name in ("bos", "eos", "pad"):
         if specials.get(name):
             config[f"{name}_token"] = specials[name]["token"]
     return config
+
+
+def _match_post_processor(file: Path, specials: dict) -> bool:
+    """Rewrite tokenizer.json `file` so that transformers' default encoding (add_special_tokens
+    on) adds what the run's tokenizer adds: BOS first with `add_bos`, nothing otherwise. That is
+    the post-processor's job alone (transformers 5 ignores tokenizer_config.json's add_bos_token
+    when there is a tokenizer.json). Returns whether the file changed; a file that already adds
+    exactly that is left as it is."""
+    from tokenizers import Tokenizer, processors
+
+    tok = Tokenizer.from_file(str(file))
+    bos = specials["bos"] if specials.get("add_bos") else None
+    plain = tok.encode("a", add_special_tokens=False).ids
+    full = tok.encode("a", add_special_tokens=True).ids
+    if full == ([bos["id"]] if bos else []) + plain:
+        return False
+    if bos is None:
+        tok.post_processor = None
+    else:
+        # BOS before each sequence, as packing puts it before each document.
+        template = processors.TemplateProcessing(
+            single=f"{bos['token']} $A", pair=f"{bos['token']} $A {bos['token']}:1 $B:1",
+            special_tokens=[(bos["token"], bos["id"])],
+        )
+        # A post-processor that adds no token (ByteLevel's offset trimming) is kept before it.
+        keep = tok.post_processor is not None and full == plain
+        tok.post_processor = processors.Sequence([tok.post_processor, template]) if keep else template
+    file.write_text(tok.to_str(), encoding="utf-8")
+    return True
 
 
 def _publish(tmp: Path, out: Path) -> None:

@@ -27,4 +27,4 @@ def sample(
         model, prompt_ids, max_new_tokens, temperature=temperature, top_k=top_k, seed=seed,
         eos_id=tokenizer.eos_id,
     )
-    return prompt + tokenizer.decode(out[len(prompt_ids):])
+    return prompt + tokenizer.decode(out)  # `generate` returns the new ids only

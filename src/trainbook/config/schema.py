@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 
 class Section(BaseModel):
@@ -115,6 +115,26 @@ class TokenizerConfig(Section):
     """Padding token; unset: the tokenizer's own, if it has one."""
     add_bos: bool = False
     """Put the BOS token at the start of every document."""
+    tiktoken_encoding: Literal["cl100k_base", "o200k_base", "llama3"] | None = None
+    """`tiktoken` rank file: the encoding it belongs to, which fixes what the file does not hold,
+    the split regex and the special tokens: `cl100k_base` (GPT-4), `o200k_base` (GPT-4o), each
+    as tiktoken defines it; `llama3` (Meta Llama 3: BOS `<|begin_of_text|>`, EOS
+    `<|end_of_text|>`, 256 specials from id 128000). Unset: GPT-2's regex and `<|endoftext|>`
+    at the first id no rank uses (right for `r50k_base` and `p50k_base`)."""
+    tiktoken_pattern: str | None = None
+    """`tiktoken` rank file: the split regex (tiktoken's syntax), in place of the encoding's."""
+    tiktoken_special_tokens: dict[str, int] | None = None
+    """`tiktoken` rank file: special token -> id (ids no rank uses), in place of the encoding's;
+    e.g. Llama 3.1's names for the reserved ids. EOS/BOS default to `<|endoftext|>` or
+    `<|end_of_text|>`, and `<|begin_of_text|>`, where present."""
+
+    @field_validator("tiktoken_encoding", "tiktoken_pattern", "tiktoken_special_tokens")
+    @classmethod
+    def _tiktoken_only(cls, value, info: ValidationInfo):
+        kind = info.data.get("kind")
+        if value is not None and kind != "tiktoken":
+            raise ValueError(f"applies to kind 'tiktoken' only, not '{kind}'")
+        return value
 
 
 class ModelConfig(Section):

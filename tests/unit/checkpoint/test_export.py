@@ -121,6 +121,41 @@ def test_hf_export_carries_the_runs_tokenizer(tmp_path):
     assert theirs.eos_token_id == ours.eos_id
 
 
+def _tokenizer_with(post: str, add_bos: bool):
+    """A trained BPE whose tokenizer.json has post-processor `post` ("none", "bos": a template
+    adding BOS, "bytelevel": one adding no token), loaded as a recipe's `hf` tokenizer."""
+    from tokenizers import processors
+
+    from trainbook.data.tokenizer import HFTokenizer
+
+    hf = train_bpe([TEXT], vocab_size=300, bos_token="<s>")._hf
+    hf.post_processor = {
+        "none": None, "bytelevel": processors.ByteLevel(trim_offsets=False),
+        "bos": processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 1)]),
+    }[post]  # fmt: skip
+    files = {"tokenizer.json": hf.to_str().encode()}
+    return HFTokenizer(files, kind="hf", bos_token="<s>", add_bos=add_bos)
+
+
+@pytest.mark.parametrize("post, add_bos, rewritten", [
+    ("bos", False, True), ("none", True, True), ("bytelevel", True, True), ("bos", True, False),
+])  # fmt: skip
+def test_hf_export_adds_bos_exactly_when_the_run_does(tmp_path, post, add_bos, rewritten):
+    transformers = pytest.importorskip("transformers")
+    run_dir, _ = make_run(tmp_path, tie=True)
+    ours = _tokenizer_with(post, add_bos)
+    ours.save(run_dir / "tokenizer")
+    out = export(run_dir, "hf", tmp_path / "hf", "fp32")
+    theirs = transformers.AutoTokenizer.from_pretrained(out)
+    for text in ("Stand, and unfold yourself!", ""):
+        assert theirs(text)["input_ids"] == ours.encode(text)
+    assert ours.encode("x")[:1] == [1] if add_bos else 1 not in ours.encode("x")
+    same = (out / "tokenizer.json").read_bytes() == ours.files["tokenizer.json"]
+    assert same is not rewritten
+    # The meta file names tokenizer.json by its sha256: kept only while that still holds.
+    assert (out / "tokenizer_meta.json").is_file() is not rewritten
+
+
 def test_a_weight_that_overflows_fp16_is_named(tmp_path):
     run_dir, _ = make_run(tmp_path, tie=False, edit=lambda m: m.norm.weight.fill_(70000.0))
     with pytest.raises(TrainbookError, match=r"'model.norm.weight' overflows fp16"):

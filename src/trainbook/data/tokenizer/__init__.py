@@ -5,7 +5,7 @@
 | `train_bpe`     | `HFTokenizer`, trained   | tokenizer.json                               |
 | `hf`            | `HFTokenizer`            | tokenizer.json                               |
 | `sentencepiece` | `SentencePieceTokenizer` | tokenizer.model                              |
-| `tiktoken`      | `TiktokenTokenizer`      | tokenizer.tiktoken, or encoder.json + vocab.bpe |
+| `tiktoken`      | `TiktokenTokenizer`      | tokenizer.tiktoken (+ tiktoken_encoding.json), or encoder.json + vocab.bpe |
 
 plus `tokenizer_meta.json` (kind, format, file sha256s, resolved specials and their ids,
 add_bos, vocab_size, sha256). `Tokenizer.load(folder)` restores exactly what `save` wrote.
@@ -41,6 +41,10 @@ def build_tokenizer(cfg: TokenizerConfig, texts_factory: Callable[[], Iterable[s
     if cfg.path is None:
         raise TrainbookError(f"kind '{cfg.kind}' needs a tokenizer file", where="tokenizer.path")
     files = backend.read_source(cfg.path)
+    if cfg.kind == "tiktoken":
+        files |= TiktokenTokenizer.encoding_file(
+            files, cfg.tiktoken_encoding, cfg.tiktoken_pattern, cfg.tiktoken_special_tokens
+        )
     return backend(files, kind=cfg.kind, eos_token=cfg.eos_token, **specials)
 
 
