@@ -7,7 +7,7 @@ import pytest
 
 from tests.conftest import run_cli, write_corpus, write_recipe
 from trainbook.data import Tokenizer
-from trainbook.model.hf_import import hf_tokenizer_config
+from trainbook.data.tokenizer import hf_tokenizer_config
 
 transformers = pytest.importorskip("transformers")
 

@@ -33,6 +33,7 @@ from trainbook.atomic import fsync_dir
 from trainbook.checkpoint import load_state, locate, step_of, tensor_entries
 from trainbook.checkpoint.store import MANIFEST
 from trainbook.config import ModelConfig, load_config
+from trainbook.data.tokenizer import META_FILE, match_post_processor
 from trainbook.errors import TrainbookError
 from trainbook.model import build_model, resolve
 from trainbook.model.hf import hf_config, to_hf_state_dict
@@ -40,7 +41,6 @@ from trainbook.model.hf import hf_config, to_hf_state_dict
 FORMATS = ("safetensors", "hf")
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 WEIGHTS_FILE = "model.safetensors"
-TOKENIZER_META = "tokenizer_meta.json"  # data.tokenizer.META_FILE; the data package is not needed here
 
 
 def export_command(target: Path, fmt: str, out: Path, dtype: str = "fp32") -> str:
@@ -147,16 +147,16 @@ def _write_hf(
             if f.is_file():
                 shutil.copy2(f, tmp / f.name)
     if (tmp / "tokenizer.json").is_file():
-        if _match_post_processor(tmp / "tokenizer.json", specials):
+        if match_post_processor(tmp / "tokenizer.json", specials["bos"] if specials.get("add_bos") else None):
             # tokenizer_meta.json names the file as trained, by its sha256: it would now fail to load.
-            (tmp / TOKENIZER_META).unlink(missing_ok=True)
+            (tmp / META_FILE).unlink(missing_ok=True)
         _write_json(tmp / "tokenizer_config.json", _hf_tokenizer_config(specials, cfg.max_seq_len))
 
 
 def _tokenizer_specials(tokenizer_dir: Path) -> dict:
     """{"bos"|"eos"|"pad": {"token", "id"} or None, "add_bos": bool} from the saved tokenizer's
     meta file; {} when the run has none (the ids are then written as unknown)."""
-    meta = tokenizer_dir / TOKENIZER_META
+    meta = tokenizer_dir / META_FILE
     if not meta.is_file():
         return {}
     try:
@@ -175,35 +175,6 @@ def _hf_tokenizer_config(specials: dict, max_len: int) -> dict:
         if specials.get(name):
             config[f"{name}_token"] = specials[name]["token"]
     return config
-
-
-def _match_post_processor(file: Path, specials: dict) -> bool:
-    """Rewrite tokenizer.json `file` so that transformers' default encoding (add_special_tokens
-    on) adds what the run's tokenizer adds: BOS first with `add_bos`, nothing otherwise. That is
-    the post-processor's job alone (transformers 5 ignores tokenizer_config.json's add_bos_token
-    when there is a tokenizer.json). Returns whether the file changed; a file that already adds
-    exactly that is left as it is."""
-    from tokenizers import Tokenizer, processors
-
-    tok = Tokenizer.from_file(str(file))
-    bos = specials["bos"] if specials.get("add_bos") else None
-    plain = tok.encode("a", add_special_tokens=False).ids
-    full = tok.encode("a", add_special_tokens=True).ids
-    if full == ([bos["id"]] if bos else []) + plain:
-        return False
-    if bos is None:
-        tok.post_processor = None
-    else:
-        # BOS before each sequence, as packing puts it before each document.
-        template = processors.TemplateProcessing(
-            single=f"{bos['token']} $A", pair=f"{bos['token']} $A {bos['token']}:1 $B:1",
-            special_tokens=[(bos["token"], bos["id"])],
-        )
-        # A post-processor that adds no token (ByteLevel's offset trimming) is kept before it.
-        keep = tok.post_processor is not None and full == plain
-        tok.post_processor = processors.Sequence([tok.post_processor, template]) if keep else template
-    file.write_text(tok.to_str(), encoding="utf-8")
-    return True
 
 
 def _publish(tmp: Path, out: Path) -> None:

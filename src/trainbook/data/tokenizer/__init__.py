@@ -20,14 +20,15 @@ import numpy as np
 from trainbook.config.schema import TokenizerConfig
 from trainbook.data.tokenizer.base import META_FILE, Tokenizer, backend_class
 from trainbook.data.tokenizer.hf import PIECE_CHARS, HFTokenizer, train_bpe
-from trainbook.data.tokenizer.hf_dir import hf_tokenizer_config
+from trainbook.data.tokenizer.hf_dir import hf_tokenizer_config, match_post_processor
 from trainbook.data.tokenizer.spm import SentencePieceTokenizer
 from trainbook.data.tokenizer.tiktoken_bpe import ENDOFTEXT, TiktokenTokenizer
 from trainbook.errors import TrainbookError
 
 __all__ = [
     "META_FILE", "PIECE_CHARS", "HFTokenizer", "SentencePieceTokenizer", "TiktokenTokenizer",
-    "Tokenizer", "backend_class", "build_tokenizer", "check_ids", "hf_tokenizer_config", "train_bpe",
+    "Tokenizer", "backend_class", "build_tokenizer", "check_ids", "hf_tokenizer_config", "match_post_processor",
+    "train_bpe",
 ]  # fmt: skip
 
 

@@ -1,5 +1,6 @@
-"""The tokenizer of a Hugging Face model directory (`model.init_from = "hf:PATH"`) as
-`[tokenizer]` settings: which file, which kind, which special tokens, whether BOS is prepended."""
+"""Hugging Face tokenizer folders. In: the tokenizer of a model directory (`model.init_from =
+"hf:PATH"`) as `[tokenizer]` settings (which file, which kind, which special tokens, whether BOS is
+prepended). Out: an exported `tokenizer.json` made to add what the run's tokenizer adds."""
 
 from __future__ import annotations
 
@@ -106,3 +107,31 @@ def _optional_json(file: Path) -> dict:
     except (UnicodeDecodeError, ValueError) as e:
         raise TrainbookError(f"not valid JSON: {e}", where=str(file)) from None
     return data if isinstance(data, dict) else {}
+
+
+def match_post_processor(file: Path, bos: dict | None) -> bool:
+    """Rewrite tokenizer.json `file` so that transformers' default encoding (add_special_tokens
+    on) adds what the run's tokenizer adds: `bos` ({"token", "id"}) first, or nothing. That is
+    the post-processor's job alone (transformers 5 ignores tokenizer_config.json's add_bos_token
+    when there is a tokenizer.json). Returns whether the file changed; a file that already adds
+    exactly that is left as it is."""
+    from tokenizers import Tokenizer, processors
+
+    tok = Tokenizer.from_file(str(file))
+    plain = tok.encode("a", add_special_tokens=False).ids
+    full = tok.encode("a", add_special_tokens=True).ids
+    if full == ([bos["id"]] if bos else []) + plain:
+        return False
+    if bos is None:
+        tok.post_processor = None
+    else:
+        # BOS before each sequence, as packing puts it before each document.
+        template = processors.TemplateProcessing(
+            single=f"{bos['token']} $A", pair=f"{bos['token']} $A {bos['token']}:1 $B:1",
+            special_tokens=[(bos["token"], bos["id"])],
+        )
+        # A post-processor that adds no token (ByteLevel's offset trimming) is kept before it.
+        keep = tok.post_processor is not None and full == plain
+        tok.post_processor = processors.Sequence([tok.post_processor, template]) if keep else template
+    file.write_text(tok.to_str(), encoding="utf-8")
+    return True

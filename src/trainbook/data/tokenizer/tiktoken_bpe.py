@@ -117,7 +117,7 @@ class TiktokenTokenizer(Tokenizer):
             else:
                 ranks, specials = _gpt2_ranks(files[ENCODER_FILE], files[MERGES_FILE])
         except Exception as e:
-            raise TrainbookError(f"not a tiktoken/GPT-2 BPE: {_one_line(e)}", where=where) from e
+            raise TrainbookError(f"not a tiktoken/GPT-2 BPE: {one_line(e)}", where=where) from e
         if spec.get("ranks") not in (None, len(ranks)):
             why = (f"{spec['encoding']}'s rank file has {spec['ranks']:,} ranks; "
                    f"this one has {len(ranks):,}")  # fmt: skip
@@ -169,7 +169,7 @@ def _check_pattern(pattern: str) -> None:
     try:
         enc = tiktoken.Encoding("check", pat_str=pattern, mergeable_ranks=byte_ranks, special_tokens={})
     except Exception as e:
-        raise TrainbookError(f"not a regex tiktoken accepts: {_one_line(e)}", where=where) from e
+        raise TrainbookError(f"not a regex tiktoken accepts: {one_line(e)}", where=where) from e
     if enc.decode(enc.encode_ordinary(_COVERAGE)) != _COVERAGE:
         raise TrainbookError(f"does not match all of {_COVERAGE!r}: the rest would be dropped", where=where)
 
