@@ -4,12 +4,10 @@ text, `trainbook run recipes/finetune-hf-llama.toml`, then export back to Huggin
 import json
 from pathlib import Path
 
-import pytest
 import torch
+import transformers
 
 from tests.conftest import PLAY, RECIPES, run_cli
-
-transformers = pytest.importorskip("transformers")
 
 
 def _hf_directory(path: Path) -> None:
