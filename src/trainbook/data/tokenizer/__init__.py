@@ -46,7 +46,12 @@ def build_tokenizer(cfg: TokenizerConfig, texts_factory: Callable[[], Iterable[s
     if cfg.path is None:
         raise TrainbookError(f"kind '{cfg.kind}' needs a tokenizer file", where="tokenizer.path")
     files = backend.read_source(cfg.path)
-    return backend(files, kind=cfg.kind, eos_token=cfg.eos_token, **specials)
+    try:
+        return backend(files, kind=cfg.kind, eos_token=cfg.eos_token, **specials)
+    except TrainbookError as e:
+        if e.where == "tokenizer.path":  # the file itself is malformed: say which file
+            e.message = f"'{cfg.path}': {e.message}"
+        raise
 
 
 def check_ids(ids: np.ndarray, vocab_size: int, where: str) -> None:
