@@ -73,7 +73,11 @@ def with_hf_model(cfg: Config) -> Config:
 
 
 def prepare_data(cfg: Config, recipe: Path, log=print) -> Prepared:
-    data = prepare(cfg.data, cfg.tokenizer, seed=cfg.run.seed, log=log)
+    try:
+        data = prepare(cfg.data, cfg.tokenizer, seed=cfg.run.seed, log=log)
+    except TrainbookError as e:  # a data error names the recipe and its key, like any other
+        e.where = f"{recipe}: {e.where}" if e.where else str(recipe)
+        raise
     if data.tokenizer.vocab_size > cfg.model.vocab_size:
         raise TrainbookError(
             f"the tokenizer has {data.tokenizer.vocab_size} tokens but the model only "
