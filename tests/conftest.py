@@ -110,6 +110,30 @@ def run_cli(
     )
 
 
+def files_under(*roots: Path) -> dict[str, tuple[int, bytes] | None]:
+    """Every directory (None) and file ((mtime, bytes)) under `roots`: what a command that must
+    write nothing leaves exactly as it was."""
+    return {str(p): (p.stat().st_mtime_ns, p.read_bytes()) if p.is_file() else None
+            for root in roots if root.exists() for p in [root, *root.rglob("*")]}
+
+
+def run_cli_error(*args: str, cwd: Path, watch: tuple[Path, ...] = (), allow: Path | None = None) -> str:
+    """The real `trainbook` command on bad input: exit code 2, one line on stderr, no traceback,
+    and nothing created, changed or removed under `cwd` and `watch` (but under `allow`, when
+    given). Returns the line."""
+    before = files_under(cwd, *watch)
+    done = run_cli(*args, cwd=cwd)
+    assert done.returncode == 2, (done.returncode, done.stdout, done.stderr)
+    assert "Traceback" not in done.stderr, done.stderr
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("trainbook: error: "), done.stderr
+    after = files_under(cwd, *watch)
+    if allow is not None:
+        before, after = ({k: v for k, v in tree.items() if not Path(k).is_relative_to(allow)} for tree in (before, after))
+    assert after == before, sorted(k for k in before.keys() | after.keys() if before.get(k, 0) != after.get(k, 0))
+    return lines[0]
+
+
 def run_cli_on_terminal(*args: str, cwd: Path | None = None, timeout: float = 300) -> tuple[int, str]:
     """The real `trainbook` command with a pseudo-terminal as stdout; returns (exit code, output)."""
     import pty

@@ -88,15 +88,11 @@ class Precision:
         """Dynamic loss scaling for fp16 (settings from `[precision]`); a disabled one otherwise."""
         if self.name != "fp16":
             return LossScaler(enabled=False, device=self.device)
-        # getattr: the loss_scale_* fields may be absent from an older PrecisionConfig.
         c = self.cfg
         return LossScaler(
-            init_scale=getattr(c, "loss_scale_init", 2.0**16),
-            growth_factor=getattr(c, "loss_scale_growth", 2.0),
-            growth_interval=getattr(c, "loss_scale_interval", 2000),
-            backoff_factor=getattr(c, "loss_scale_backoff", 0.5),
-            min_scale=getattr(c, "loss_scale_min", 1.0),
-            device=self.device,
+            init_scale=c.loss_scale_init, growth_factor=c.loss_scale_growth,
+            growth_interval=c.loss_scale_interval, backoff_factor=c.loss_scale_backoff,
+            min_scale=c.loss_scale_min, device=self.device,
         )
 
 

@@ -13,9 +13,11 @@ from trainbook.data import TrainLoader
 from trainbook.data.shards import ShardWriter, TokenStream
 
 WORKER = Path(__file__).with_name("loader_ranks_worker.py")
-SIZES = {"web": 1601, "code": 801, "books": 161}  # tokens: 100, 50, 10 samples of T + 1
+T, B, N_BATCHES = 16, 4, 30  # 2 ranks x 30 x 4 = 240 samples
+# Tokens: 130, 80 and 55 samples of T + 1, more than the 240 samples take from each source at
+# these weights (120, 72, 48), so no sample is read twice and its tokens name its global index.
+SIZES = {"web": 2081, "code": 1281, "books": 881}
 WEIGHTS = {"web": 0.5, "code": 0.3, "books": 0.2}
-T, B, N_BATCHES = 16, 4, 30  # 2 ranks x 30 x 4 = 240 samples: books and code re-epoch
 
 
 def write_sources(root: Path) -> dict[str, TokenStream]:
@@ -41,13 +43,24 @@ def test_two_ranks_read_disjoint_and_complete_slices(tmp_path):
     # Results first; a non-zero exit is tolerated only as gloo's known exit-time abort.
     assert proc.returncode == 0 or "terminate called" in log, log[-3000:]
 
-    ids = [set(r["global_ids"]) for r in ranks]
-    assert not ids[0] & ids[1]  # disjoint
-    assert ids[0] | ids[1] == set(range(2 * N_BATCHES * B))  # complete: none skipped
-    assert all(r["states"] == [{"consumed": 2 * N_BATCHES * B}] * 2 for r in ranks)
+    # The global index of every row a rank was given, found from its tokens: (source, sample)
+    # from the first token, then that sample's place in the single-process order (world size 1).
+    n = 2 * N_BATCHES * B
+    source, sample = TrainLoader(streams, WEIGHTS, T, B, seed=11).order.sample_ids(np.arange(n))
+    index = {(int(s), int(i)): g for g, (s, i) in enumerate(zip(source, sample))}
+    assert len(index) == n  # premise: no sample is read twice, so tokens identify the index
 
-    # What each rank actually read is the single-process global order at those ids.
-    order = TrainLoader(streams, WEIGHTS, T, B, seed=11).order
-    for r in ranks:
-        source, sample = order.sample_ids(np.array(r["global_ids"]))
-        assert r["first_tokens"] == (source * 10**6 + sample * T).tolist()
+    def global_ids(first_tokens: list[int]) -> list[int]:
+        tokens = np.array(first_tokens)
+        assert (tokens % 10**6 % T == 0).all()  # every row starts on a sample boundary
+        return [index[(int(s), int(i))] for s, i in zip(tokens // 10**6, tokens % 10**6 // T)]
+
+    ids = [[global_ids(batch) for batch in r["first_tokens"]] for r in ranks]
+    read = [{g for batch in rank_ids for g in batch} for rank_ids in ids]
+    assert sum(len(batch) for rank_ids in ids for batch in rank_ids) == n
+    assert not read[0] & read[1]  # disjoint
+    assert read[0] | read[1] == set(range(n))  # complete: none skipped
+    # Micro-batch k of rank r holds global samples [(k * world_size + r) * B, + B), in order.
+    for r, rank_ids in enumerate(ids):
+        assert rank_ids == [list(range((k * 2 + r) * B, (k * 2 + r + 1) * B)) for k in range(N_BATCHES)]
+    assert all(r["states"] == [{"consumed": n}] * 2 for r in ranks)

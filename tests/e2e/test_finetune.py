@@ -4,12 +4,10 @@ text, `trainbook run recipes/finetune-hf-llama.toml`, then export back to Huggin
 import json
 from pathlib import Path
 
-import pytest
 import torch
+import transformers
 
-from tests.conftest import PLAY, RECIPES, run_cli
-
-transformers = pytest.importorskip("transformers")
+from tests.conftest import PLAY, RECIPES, run_cli, run_cli_error
 
 
 def _hf_directory(path: Path) -> None:
@@ -67,11 +65,18 @@ def test_finetune_recipe_trains_frozen_embedding_and_exports(tmp_path):
 
 
 def test_finetune_bad_inputs(tmp_path):
-    missing = run_cli("run", str(RECIPES / "finetune-hf-llama.toml"), "model.init_from=hf:nowhere", cwd=tmp_path)
-    assert missing.returncode == 2 and "model.init_from: nowhere is not a directory" in missing.stderr
+    """One line naming the recipe and key, exit 2, no traceback, and nothing written: no run
+    under runs/ (the recipe's runs_root, relative to the working directory) and no data cache."""
+    recipe = RECIPES / "finetune-hf-llama.toml"
+    missing = run_cli_error("run", str(recipe), "model.init_from=hf:nowhere", cwd=tmp_path, watch=(RECIPES,))
+    assert missing == f"trainbook: error: {recipe}: model.init_from: nowhere is not a directory"
 
     _hf_directory(tmp_path / "models" / "llama-hf")
-    wrong = run_cli("run", str(RECIPES / "finetune-hf-llama.toml"), "model.name=tiny", cwd=tmp_path)
-    assert wrong.returncode == 2 and "model.dim: the recipe's model has dim=192, the Hugging Face model hidden_size=64" in wrong.stderr, wrong.stderr
-    small = run_cli("run", str(RECIPES / "finetune-hf-llama.toml"), "model.vocab_size=100", cwd=tmp_path)
-    assert small.returncode == 2 and "model.vocab_size" in small.stderr, small.stderr
+    wrong = run_cli_error("run", str(recipe), "model.name=tiny", cwd=tmp_path, watch=(RECIPES,))
+    assert wrong == (f"trainbook: error: {recipe}: model.dim: the recipe's model has dim=192, the Hugging Face "
+                     "model hidden_size=64")
+    small = run_cli_error("run", str(recipe), "model.vocab_size=100", cwd=tmp_path, watch=(RECIPES,))
+    vocab = json.loads((tmp_path / "models" / "llama-hf" / "config.json").read_text())["vocab_size"]
+    assert small == (f"trainbook: error: {recipe}: model.vocab_size: the recipe's model has vocab_size=100, "
+                     f"smaller than the Hugging Face model's {vocab} (a vocabulary can grow on import, not shrink)")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["models"]

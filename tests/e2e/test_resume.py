@@ -62,22 +62,54 @@ def _final_weights(run_dir: Path) -> dict:
     return state["model"]
 
 
-@pytest.mark.parametrize("mode", ["sync", "async"])
-def test_sigkill_then_resume_is_bitwise_identical(setup, tmp_path, mode):
+# (checkpoint mode, fault point, the checkpoint the run resumes from). Each kill is a fault point,
+# not a signal sent from outside, so what was committed when the process died never depends on timing.
+KILLS = {
+    "sync-after-step": ("sync", "train.after_step@5", 4),  # step 4 was committed inside save()
+    # Async, the instant step 4's commit is done: training has run on to step 4, 5 or 6 (the
+    # step-6 save waits for this one), so the lines to drop are counted, not assumed.
+    "async-committed": ("async", "checkpoint.after_commit@4", 4),
+    # Async, a shard of step 4 on disk and no manifest: the kill hits the write in progress on
+    # DCP's writer thread while training goes on, and the run goes back to step 2.
+    "async-mid-write": ("async", "checkpoint.writing@4", 2),
+}
+
+
+def _kept(line: str, step: int) -> bool:
+    try:
+        return json.loads(line)["step"] <= step
+    except ValueError:  # a line cut short by the kill
+        return False
+
+
+@pytest.mark.parametrize(("mode", "fault", "resumed_from"), KILLS.values(), ids=KILLS.keys())
+def test_sigkill_then_resume_is_bitwise_identical(setup, tmp_path, mode, fault, resumed_from):
     recipe, straight, series = setup
     run_dir = tmp_path / "run"
-    killed = _run(recipe, run_dir, f"checkpoint.mode={mode}", fault="train.after_step@5")
-    assert killed.returncode == -signal.SIGKILL
-    assert max(r["step"] for r in _jsonl(run_dir / "metrics.jsonl")) == 5  # steps after the checkpoint
+    killed = _run(recipe, run_dir, f"checkpoint.mode={mode}", fault=fault)
+    assert killed.returncode == -signal.SIGKILL, killed.stderr
+    ckpts = run_dir / "checkpoints"
+    assert read_latest(ckpts) == resumed_from
+    if fault.startswith("checkpoint.writing"):  # killed inside the save: written shards, nothing committed
+        partial = ckpts / "step-4.tmp"
+        assert any(p.stat().st_size > 0 for p in partial.glob("*.distcp"))
+        assert not (partial / ".metadata").exists() and not (partial / "manifest.json").exists()
+    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    dropped = sum(not _kept(line, resumed_from) for line in lines)
+    if mode == "sync":
+        assert max(r["step"] for r in map(json.loads, lines)) == 5 and dropped == 1
 
     # Continuing a run needs only its directory: the recipe comes from config.resolved.toml.
     resumed = run_cli("run", "--run-dir", str(run_dir), cwd=recipe.parent)
     assert resumed.returncode == 0, resumed.stderr
+    assert f"step-{resumed_from} at step {resumed_from}" in resumed.stdout
     assert _series(run_dir) == series  # no step duplicated or missing, every loss bitwise equal
     resume = [e for e in _jsonl(run_dir / "events.jsonl") if e["kind"] == "resume"]
-    assert len(resume) == 1 and resume[0]["step"] == 4 and resume[0]["dropped_metric_lines"] == 1
+    assert len(resume) == 1 and resume[0]["step"] == resumed_from
+    assert resume[0]["dropped_metric_lines"] == dropped
     ours, theirs = _final_weights(run_dir), _final_weights(straight)
     assert all(torch.equal(ours[k], theirs[k]) for k in theirs)
+    assert sorted(p.name for p in ckpts.iterdir()) == ["latest", "step-4", "step-6", "step-8"]
 
 
 @pytest.mark.parametrize("point", ["before_manifest", "before_rename", "before_latest"])

@@ -12,7 +12,7 @@ from tests.conftest import run_cli, run_cli_on_terminal, write_recipe
 from trainbook.checkpoint import load_state
 from trainbook.config import load_config
 from trainbook.data import Tokenizer
-from trainbook.model import build_model
+from trainbook.model import build_model, resolve
 
 TRAIN_KEYS = {"kind", "step", "tokens", "loss", "lr", "grad_norm", "tokens_per_s", "step_time_s",
               "phases", "mem_peak_bytes", "loss_scale", "time"}
@@ -143,6 +143,36 @@ def test_progress_bar_on_a_terminal_plain_lines_otherwise(recipe, tmp_path):
     assert "━" not in done.stdout
     assert [line.split(" loss")[0] for line in done.stdout.splitlines() if line.startswith("step ")] == [
         "step 2/4", "step 4/4"]
+
+
+def test_fp16_overflow_is_skipped_and_recorded(recipe, tmp_path):
+    """A real fp16 overflow through the CLI: after two clean steps the loss scale grows by 2**30,
+    so step 3's scaled gradients overflow fp16 (inf); that step is skipped, the scale backs off by
+    2**-30, and step 4 trains again. Every step is checkpointed to show step 3 changed no weight."""
+    run_dir = tmp_path / "fp16"
+    done = run_cli("run", str(recipe), "precision.dtype=fp16", "precision.loss_scale_init=256",
+                   f"precision.loss_scale_growth={2.0**30}", "precision.loss_scale_interval=2",
+                   f"precision.loss_scale_backoff={2.0**-30}", "train.max_steps=4", "log.every_steps=1",
+                   "train.eval_every=0", "checkpoint.interval_steps=1", "--run-dir", str(run_dir))
+    assert done.returncode == 0, done.stderr
+    train = [r for r in _jsonl(run_dir / "metrics.jsonl") if r["kind"] == "train"]
+    assert [(r["step"], r["loss_scale"], r["skipped_steps"]) for r in train] == [
+        (1, 256.0, 0), (2, 256.0, 0), (3, 2.0**38, 1), (4, 256.0, 1)]
+    assert [r["grad_norm"] is None for r in train] == [False, False, True, False]  # inf: null in JSON
+    skipped = [e for e in _jsonl(run_dir / "events.jsonl") if e["kind"] == "skipped_step"]
+    assert [(e["step"], e["loss_scale"], e["next_loss_scale"], e["skipped_total"]) for e in skipped] == [
+        (3, 2.0**38, 256.0, 1)]
+    log = next((run_dir / "logs").glob("rank0-*.log")).read_text()
+    assert "step 3: gradients overflowed at loss scale 2.74878e+11; step skipped, scale -> 256" in log
+
+    cfg = load_config(run_dir / "config.resolved.toml")
+    weights = {}
+    for step in (2, 3, 4):
+        state = {"model": build_model(resolve(cfg.model), "cpu", seed=123).state_dict()}
+        load_state(run_dir / "checkpoints" / f"step-{step}", state)
+        weights[step] = state["model"]
+    assert all(torch.equal(weights[3][k], weights[2][k]) for k in weights[2])  # skipped: untouched
+    assert not all(torch.equal(weights[4][k], weights[3][k]) for k in weights[3])  # trained again
 
 
 def test_config_prints_the_resolved_recipe(recipe):

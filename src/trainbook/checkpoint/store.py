@@ -96,8 +96,9 @@ class _ChecksummingStream:
 class _ChecksummingFileSystem(dcp.filesystem.FileSystem):
     """DCP's local filesystem, noting each written file's CRC-32 so nothing is read back to hash it."""
 
-    def __init__(self):
+    def __init__(self, step: int):
         super().__init__()
+        self.step = step
         self.crcs: dict[str, str] = {}
         self._lock = threading.Lock()
 
@@ -109,6 +110,9 @@ class _ChecksummingFileSystem(dcp.filesystem.FileSystem):
                 return
             stream = _ChecksummingStream(raw)
             yield stream
+            # A shard is written, the checkpoint is not: crash tests die here in the middle of a
+            # save (in async mode on DCP's writer thread, while training goes on).
+            fault_point("checkpoint.writing", self.step)
         with self._lock:  # DCP's writer threads each write their own files
             self.crcs[Path(path).name] = f"{stream.crc:08x}"
 
@@ -119,10 +123,10 @@ class _ChecksummingFileSystem(dcp.filesystem.FileSystem):
                 self.crcs[Path(new_path).name] = self.crcs.pop(Path(path).name)
 
 
-def _writer(path: Path) -> dcp.FileSystemWriter:
+def _writer(path: Path, step: int) -> dcp.FileSystemWriter:
     # Two writer threads: serialising, checksumming and fsyncing one file overlaps the other's.
     writer = dcp.FileSystemWriter(path, sync_files=True, thread_count=2)
-    writer.fs = _ChecksummingFileSystem()
+    writer.fs = _ChecksummingFileSystem(step)
     return writer
 
 
@@ -202,7 +206,7 @@ class Checkpointer:
             shutil.rmtree(tmp, ignore_errors=True)  # leftovers of a crash while writing
             tmp.mkdir(parents=True)
         _barrier()  # the directory exists before any rank writes into it
-        writer = _writer(tmp)
+        writer = _writer(tmp, step)
         started = time.perf_counter()
         info = dict(info or {})
         with _single_process_ok():
@@ -274,6 +278,7 @@ class Checkpointer:
         self._prune(keep=step)
         if self.on_commit is not None:
             self.on_commit(step, final, time.perf_counter() - started)
+        fault_point("checkpoint.after_commit", step)
 
     def _own_files(self, tmp: Path, crcs: dict[str, str]) -> dict[str, dict]:
         """Size and CRC-32 (noted while writing; read back only if missing) of this rank's files."""

@@ -21,7 +21,11 @@ from trainbook.errors import TrainbookError
 def prepare_data(res: Resolved, log=print) -> Prepared:
     """The recipe's data (cached after the first call), checked against the model and the batch."""
     cfg, where = res.cfg, str(res.recipe)
-    data = prepare(cfg.data, cfg.tokenizer, seed=cfg.run.seed, log=log)
+    try:
+        data = prepare(cfg.data, cfg.tokenizer, seed=cfg.run.seed, log=log)
+    except TrainbookError as e:  # a data error names the recipe and its key, like any other
+        e.where = f"{where}: {e.where}" if e.where else where
+        raise
     if data.tokenizer.vocab_size > cfg.model.vocab_size:
         raise TrainbookError(
             f"the tokenizer has {data.tokenizer.vocab_size} tokens but the model only "

@@ -19,10 +19,10 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
-from trainbook.config.schema import DataConfig
+from trainbook.config.schema import DataConfig, SourceConfig
 from trainbook.data.clean import Cleaner
 from trainbook.data.dedup import Deduplicator
-from trainbook.data.sources import SourceStats, iter_documents
+from trainbook.data.sources import SourceStats, iter_documents, resolve_paths
 from trainbook.errors import TrainbookError
 
 
@@ -106,7 +106,7 @@ class DocumentStream:
             report.cleaning = dict(cleaner.counts)
             if produced == 0:
                 raise TrainbookError(
-                    f"source '{source.name}' has no documents left "
+                    f"source '{source.name}' has no documents left in {_files(source, i)} "
                     f"(read {report.read.documents}, after cleaning and deduplication: 0)",
                     where=f"data.sources[{i}]",
                 )
@@ -114,3 +114,10 @@ class DocumentStream:
     def _count(self, doc: Document) -> Document:
         self.reports[doc.source].documents_out["val" if doc.is_val else "train"] += 1
         return doc
+
+
+def _files(source: SourceConfig, i: int, most: int = 3) -> str:
+    """The files a source read, for an error message: `'a.txt'` or `3 files ('a', 'b', 'c')`."""
+    paths = resolve_paths(source.paths, where=f"data.sources[{i}].paths")
+    shown = ", ".join(f"'{p}'" for p in paths[:most]) + (f" and {len(paths) - most} more" if len(paths) > most else "")
+    return shown if len(paths) == 1 else f"{len(paths)} files ({shown})"

@@ -21,6 +21,7 @@ import collections
 import hashlib
 import json
 import multiprocessing
+import shutil
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -76,8 +77,21 @@ def prepare(data: DataConfig, tok: TokenizerConfig, *, seed: int, log: Log | Non
     if found is not None:
         return found
 
+    # Bad input found while preparing (a source with no documents, a malformed record) leaves
+    # nothing behind: the directories this call creates are removed again.
+    created = next((p for p in reversed([out, *out.parents]) if not p.exists()), None)
     out.mkdir(parents=True, exist_ok=True)
     (out / "manifest.json").unlink(missing_ok=True)  # a damaged entry is incomplete from now on
+    try:
+        return _build(out, data, tok, seed, key, inputs, log)
+    except TrainbookError:
+        if created is not None:
+            shutil.rmtree(created, ignore_errors=True)
+        raise
+
+
+def _build(out: Path, data: DataConfig, tok: TokenizerConfig, seed: int, key: str, inputs: list[dict],
+           log: Log) -> Prepared:
     documents = DocumentStream(data, seed)
     if tok.kind == "train_bpe":
         # Pass 1: train on train documents only, so validation text stays unseen by every part.

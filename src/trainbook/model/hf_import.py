@@ -348,5 +348,3 @@ def _open(file: Path):
 def _few(names: list[str], n: int = 3) -> str:
     shown = ", ".join(f"'{x}'" for x in names[:n])
     return shown + (f" and {len(names) - n} more" if len(names) > n else "")
-
-

@@ -88,7 +88,7 @@ def test_low_precision_export_rounds_each_weight_like_to(tmp_path, dtype, torch_
 
 @pytest.mark.parametrize("tie", [False, True], ids=["untied", "tied"])
 def test_hf_export_loads_in_transformers_with_matching_logits(tmp_path, tie):
-    transformers = pytest.importorskip("transformers")
+    import transformers
     run_dir, model = make_run(tmp_path, tie=tie, tokenizer=True)
     out = export(run_dir, "hf", tmp_path / "hf", "fp32")
 
@@ -105,7 +105,7 @@ def test_hf_export_loads_in_transformers_with_matching_logits(tmp_path, tie):
 
 
 def test_hf_export_carries_the_runs_tokenizer(tmp_path):
-    transformers = pytest.importorskip("transformers")
+    import transformers
     run_dir, _ = make_run(tmp_path, tie=True, tokenizer=True)
     out = export(run_dir, "hf", tmp_path / "hf", "bf16")
     saved = set((run_dir / "tokenizer").iterdir())

@@ -144,7 +144,7 @@ CRASHING_SAVE = textwrap.dedent("""
 """)
 
 
-@pytest.mark.parametrize("point", ["before_manifest", "before_rename", "before_latest"])
+@pytest.mark.parametrize("point", ["writing", "before_manifest", "before_rename", "before_latest"])
 @pytest.mark.parametrize("mode", ["sync", "async"])
 def test_a_kill_during_save_leaves_the_previous_checkpoint_selected(tmp_path, point, mode):
     env = {**os.environ, "TRAINBOOK_FAULT": f"checkpoint.{point}@2"}

@@ -211,9 +211,18 @@ def test_source_without_documents_is_named(tmp_path, corpus, write_files):
     empty = write_files({"a.txt": "", "b.txt": "\n\n  \n"}, under="empty")
     data = _data(tmp_path, *corpus)
     data = data.model_copy(update={"sources": [*data.sources, SourceConfig(name="blank", paths=[f"{empty}/*.txt"])]})
-    with pytest.raises(TrainbookError, match="source 'blank' has no documents") as err:
+    with pytest.raises(TrainbookError) as err:
         prepare(data, TOK, seed=0)
     assert err.value.where == "data.sources[2]"
+    assert err.value.message == (f"source 'blank' has no documents left in 2 files ('{empty}/a.txt', "
+                                 f"'{empty}/b.txt') (read 0, after cleaning and deduplication: 0)")
+    assert not (tmp_path / "cache").exists()  # bad input leaves no cache entry behind
+
+    one = write_files({"e.txt": ""}, under="one")
+    data = data.model_copy(update={"sources": [SourceConfig(name="e", paths=[f"{one}/*.txt"])]})
+    with pytest.raises(TrainbookError) as err:
+        prepare(data, TOK, seed=0)
+    assert err.value.message == f"source 'e' has no documents left in '{one}/e.txt' (read 0, after cleaning and deduplication: 0)"
 
 
 def test_missing_input_names_the_source_key(tmp_path, corpus):

@@ -2,7 +2,8 @@ from __future__ import annotations
 
 import gzip
 import json
-import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pyarrow as pa
@@ -112,12 +113,37 @@ def test_non_utf8_file_is_an_error_naming_the_file(write_files):
     assert err.value.where == "data.sources[3]"
 
 
-@pytest.mark.skipif(os.geteuid() == 0, reason="root reads files whatever their mode")
+# Root (as in CI) reads any file whatever its mode, through CAP_DAC_OVERRIDE and
+# CAP_DAC_READ_SEARCH; a process that drops both obeys the mode bits like anyone else. The
+# capabilities are dropped in a child process (capset on itself), so the test runs as root too.
+READ_LOCKED = """
+import ctypes, sys
+libc = ctypes.CDLL(None, use_errno=True)
+header = (ctypes.c_uint32 * 2)(0x20080522, 0)  # _LINUX_CAPABILITY_VERSION_3, this process
+sets = (ctypes.c_uint32 * 6)()  # effective, permitted, inheritable (capabilities 0-31, then 32-63)
+if libc.capget(header, sets) != 0:
+    raise OSError(ctypes.get_errno(), "capget")
+for i in range(3):
+    sets[i] &= ~((1 << 1) | (1 << 2)) & 0xFFFFFFFF  # CAP_DAC_OVERRIDE, CAP_DAC_READ_SEARCH
+if libc.capset(header, sets) != 0:
+    raise OSError(ctypes.get_errno(), "capset")
+from trainbook.config.schema import SourceConfig
+from trainbook.data.sources import iter_documents
+from trainbook.errors import TrainbookError
+try:
+    list(iter_documents(SourceConfig(name="s", paths=[sys.argv[1]]), where="w"))
+except TrainbookError as e:
+    print(e.where, e.message)
+"""
+
+
 def test_unreadable_file_is_an_error_naming_the_file(write_files):
     root = write_files({"locked.txt": "secret"})
     (root / "locked.txt").chmod(0)
-    with pytest.raises(TrainbookError, match="cannot read.*locked.txt"):
-        list(iter_documents(SourceConfig(name="s", paths=[f"{root}/*.txt"]), where="w"))
+    done = subprocess.run([sys.executable, "-c", READ_LOCKED, f"{root}/*.txt"], capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout == f"w cannot read '{root / 'locked.txt'}': Permission denied\n"
 
 
 # Formats, compression and invalid UTF-8. Every file is real, written with the real libraries.

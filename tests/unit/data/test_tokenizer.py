@@ -6,6 +6,7 @@ import multiprocessing
 import os
 import pickle
 import random
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -279,9 +280,9 @@ def _errors_cases(tmp_path: Path, hf_file: Path, gpt2_dir: Path, llama_model: Pa
     missing = "no tokenizer file at '/no/such.json'"
     yield dict(kind="hf", path="/no/such.json"), "tokenizer.path", missing
     yield dict(kind="tiktoken", path=str(half)), "tokenizer.path", "no tokenizer file .*vocab.bpe"
-    yield dict(kind="hf", path=str(bad)), "tokenizer.path", "not a tokenizers JSON"
-    yield dict(kind="sentencepiece", path=str(bad)), "tokenizer.path", "not a SentencePiece"
-    yield dict(kind="tiktoken", path=str(bad)), "tokenizer.path", "not a tiktoken"
+    yield dict(kind="hf", path=str(bad)), "tokenizer.path", f"tokenizer.path: '{re.escape(str(bad))}': not a tokenizers JSON"
+    yield dict(kind="sentencepiece", path=str(bad)), "tokenizer.path", f"tokenizer.path: '{re.escape(str(bad))}': not a SentencePiece"
+    yield dict(kind="tiktoken", path=str(bad)), "tokenizer.path", f"tokenizer.path: '{re.escape(str(bad))}': not a tiktoken"
     yield dict(kind="hf", path=hf, eos_token="</s>"), "tokenizer.eos_token", "no token '</s>'"
     yield dict(kind="sentencepiece", path=ll, bos_token="<x>"), "tokenizer.bos_token", "'<x>'"
     yield dict(kind="tiktoken", path=g2, pad_token="<pad>"), "tokenizer.pad_token", "'<pad>'"

@@ -12,7 +12,7 @@ from trainbook.model.hf import from_hf_name, hf_config, to_hf_name, to_hf_state_
 
 @pytest.mark.parametrize("tie", [False, True], ids=["untied", "tied"])
 def test_names_match_transformers_and_round_trip(tie):
-    transformers = pytest.importorskip("transformers")
+    import transformers
     cfg = resolve(ModelConfig(name="debug", tie_embeddings=tie))
     ours = build_model(cfg, "meta", seed=0).state_dict()
     hf_names = to_hf_state_dict(ours, tied=tie).keys()

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import transformers
 from safetensors.torch import load_file, save_file
 
 from trainbook.checkpoint import Checkpointer
@@ -23,8 +24,6 @@ from trainbook.model.hf import to_hf_name
 from trainbook.data.tokenizer import hf_tokenizer_config
 from trainbook.model.hf_import import check_against_recipe, load_hf_weights, model_config_from_hf
 from trainbook.model.registry import FROM_HF
-
-transformers = pytest.importorskip("transformers")
 
 # GQA (4 query heads share 2 kv heads) and a RoPE base that is nobody's default, so a wrong head
 # layout or a dropped rope_theta shows in the logits. Shapes equal the registry's "debug" entry
@@ -208,15 +207,39 @@ def test_tokenizer_model_is_sentencepiece_with_bos_like_llamas(tmp_path):
     assert settings["add_bos"] is False and "pad_token" not in settings
 
 
-def test_tokenizer_model_encodes_like_transformers(tmp_path):
-    pytest.importorskip("google.protobuf", reason="transformers reads tokenizer.model through protobuf")
+def test_tokenizer_model_encodes_like_sentencepiece_not_like_its_transformers_conversion(tmp_path):
+    """A tokenizer.model's reference is the sentencepiece library, the model's own implementation.
+    transformers converts the file into a BPE of its own that agrees on ordinary text and differs
+    on spaces (the README says how): both shown here, so the README stays true."""
+    import sentencepiece
+
     path, _ = save_hf(tmp_path, tie=True)
     shutil.copy(_data_dir("mistral_common") / "tokenizer.model.v1", path / "tokenizer.model")
-    config = {"tokenizer_class": "LlamaTokenizer", "legacy": False}
+    config = {"tokenizer_class": "LlamaTokenizer", "legacy": False, "add_bos_token": True}
     (path / "tokenizer_config.json").write_text(json.dumps(config))
     ours = build_tokenizer(TokenizerConfig(**hf_tokenizer_config(path)), list)
+    sp = sentencepiece.SentencePieceProcessor(model_file=str(path / "tokenizer.model"))
+    assert ours.encode_batch(TEXTS) == [[1, *sp.encode(t)] for t in TEXTS]
+    assert [ours.decode(ids) for ids in ours.encode_batch(TEXTS)] == TEXTS  # lossless, spaces too
+
     theirs = transformers.AutoTokenizer.from_pretrained(path)
-    assert ours.encode_batch(TEXTS) == [theirs(t)["input_ids"] for t in TEXTS]
+    ordinary = [t for t in TEXTS if not t.startswith(" ") and "  " not in t]
+    assert len(ordinary) == 3 and ours.encode_batch(ordinary) == [theirs(t)["input_ids"] for t in ordinary]
+
+    def pieces(ids: list[int]) -> list[str]:
+        return [sp.id_to_piece(i) for i in ids]
+
+    # A space that begins the text: kept by sentencepiece, dropped by the conversion.
+    assert pieces(ours.encode(" Nay")) == ["<s>", "▁", "▁N", "ay"]
+    assert pieces(theirs(" Nay")["input_ids"]) == ["<s>", "▁N", "ay"]
+    # Two spaces before a word: sentencepiece merges the second into the word, the conversion both spaces.
+    assert pieces(ours.encode("a  b")) == ["<s>", "▁a", "▁", "▁b"]
+    assert pieces(theirs("a  b")["input_ids"]) == ["<s>", "▁a", "▁▁", "b"]
+    # BOS: add_bos_token's documented default is true; the conversion adds BOS only when it is set.
+    del config["add_bos_token"]
+    (path / "tokenizer_config.json").write_text(json.dumps(config))
+    assert build_tokenizer(TokenizerConfig(**hf_tokenizer_config(path)), list).encode("Who") == [1, *sp.encode("Who")]
+    assert transformers.AutoTokenizer.from_pretrained(path)("Who")["input_ids"] == sp.encode("Who")
 
 
 def test_no_tokenizer_is_named(tmp_path):

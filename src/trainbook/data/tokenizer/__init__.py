@@ -46,7 +46,12 @@ def build_tokenizer(cfg: TokenizerConfig, texts_factory: Callable[[], Iterable[s
         files |= TiktokenTokenizer.encoding_file(
             files, cfg.tiktoken_encoding, cfg.tiktoken_pattern, cfg.tiktoken_special_tokens
         )
-    return backend(files, kind=cfg.kind, eos_token=cfg.eos_token, **specials)
+    try:
+        return backend(files, kind=cfg.kind, eos_token=cfg.eos_token, **specials)
+    except TrainbookError as e:
+        if e.where == "tokenizer.path":  # the file itself is malformed: say which file
+            e.message = f"'{cfg.path}': {e.message}"
+        raise
 
 
 def check_ids(ids: np.ndarray, vocab_size: int, where: str) -> None:

@@ -25,9 +25,11 @@ def hf_tokenizer_config(path: Path) -> dict:
     `add_bos`: whether transformers' tokenizer prepends BOS under its default
     `add_special_tokens=True`. For `tokenizer.json` its post-processor decides (transformers 5
     ignores `add_bos_token` for such files); for `tokenizer.model`, `add_bos_token` in
-    tokenizer_config.json, true by default as in transformers' LlamaTokenizer. So trainbook's ids
-    equal transformers' with its defaults, except that trainbook adds no other special token (a
-    post-processor's trailing EOS): packing puts EOS between documents.
+    tokenizer_config.json, true by default as transformers' LlamaTokenizer documents. So for
+    tokenizer.json trainbook's ids equal transformers' with its defaults, except that trainbook
+    adds no other special token (a post-processor's trailing EOS): packing puts EOS between
+    documents. A tokenizer.model is encoded by sentencepiece itself, which differs from
+    transformers' conversion of it on spaces (README, "Precision and pretrained weights").
     """
     path = Path(path)
     if (path / TOKENIZER_JSON).is_file():
