@@ -23,7 +23,7 @@ import trainbook
 from trainbook.checkpoint import Checkpointer, any_rank, load_state, tensor_entries
 from trainbook.config import Config, dump_toml
 from trainbook.data import Prepared, TrainLoader, val_batches
-from trainbook.errors import TrainbookError
+from trainbook.diagnose.timeouts import explain_timeout
 from trainbook.faults import fault_point
 from trainbook.model import build_model, num_params
 from trainbook.model.surgery import freeze, reinit, resize_vocab, trainable_summary
@@ -235,28 +235,9 @@ class Trainer:
             return Decision.SKIP
         return Decision.CONTINUE
 
-    # What a rank waits for in each phase when a collective times out.
-    WAITS = {
-        Phase.FORWARD: "FSDP parameter all-gather / tensor-parallel collectives",
-        Phase.BACKWARD: "gradient reduce-scatter / all-reduce / tensor-parallel collectives",
-        Phase.FORWARD_BACKWARD: "pipeline send/recv between stages",
-        "gradient norm": "all-reduce of the gradient norm",
-        "gradient unscale": "all-reduce of the fp16 overflow flag",
-        "loss report": "all-reduce of the loss",
-    }
-
     def _explain(self, error: RuntimeError) -> Exception:
         """A collective that timed out becomes one line naming the rank and what it waited for."""
-        if "timed out" not in str(error).lower() and "timeout" not in str(error).lower():
-            return error
-        now = self.tracker.current()
-        doing = now.detail or now.phase.value
-        what = self.WAITS.get(now.detail) or self.WAITS.get(now.phase) or doing
-        return TrainbookError(
-            f"rank {self.rank}: a collective timed out after {self.cfg.parallel.timeout_s:g} s in step "
-            f"{now.step}, {doing} ({what}); another rank is stuck or gone: see its log",
-            where="parallel.timeout_s",
-        )
+        return explain_timeout(error, self.tracker.current(), self.rank, self.cfg.parallel.timeout_s)
 
     def _announce(self) -> None:
         t, tokens_per_step, dims = self.cfg.train, self.tokens_per_step, self.rt.dims
