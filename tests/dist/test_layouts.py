@@ -1,15 +1,29 @@
 """Every parallel layout computes what one process computes: the real CLI under torchrun, gloo.
 
-The `tiny` model (tied embeddings, grouped-query attention; vocabulary cut to 512) trains 20 steps in fp32 with the same global batch (256 tokens: 8
-samples of 32) in every layout; the loss of each step must match the single-process run within
-1e-5 relative. Micro-batches of 2 samples, so the data-parallel degrees change only how the
-same 8 samples per step are spread over ranks and accumulation steps.
+The `tiny` model (tied embeddings, grouped-query attention; vocabulary cut to 512) trains 20 steps
+in fp32 with the same global batch (256 tokens: 8 samples of 32) in every layout, micro-batches of
+2 samples, so the layouts change only how the same 8 samples per step are spread over ranks,
+accumulation steps and pipeline chunks. Each layout is compared with the single-process run of the
+same recipe on three things:
 
-A pipeline cuts each micro-batch into `pp_microbatches` chunks (here 2 of 1 sample) and
-accumulates their gradients: the same math, summed in another order. AdamW turns such rounding
-differences in near-zero gradients into ~1e-5 differences within a few steps, so pipeline layouts
-are compared with the single-process run that accumulates the same 1-sample chunks
-(micro_batch_size = 1, same global batch): the reference that does the same arithmetic.
+- the loss of every train step and evaluation (metrics.jsonl);
+- the gradient norm of every step, measured before clipping: a gradient off by a constant factor
+  (summed instead of averaged over ranks) changes no loss that clipping and AdamW normalise, but
+  it changes this number;
+- the final weights: every model tensor of the step-20 checkpoint, read back whole whatever the
+  layout (DCP reshards on load), compared by max |a - b| / max |b| per tensor.
+
+One data-parallel layout (fsdp2) trains with `optim.grad_clip = 0` against a single-process run
+without clipping too, so the update itself follows the raw gradient there.
+
+Tolerances. Every layout adds the same per-sample gradients in another order (all-reduce,
+reduce-scatter, sharded matmuls, pipeline chunks of 1 sample accumulated); AdamW's 1/sqrt(v)
+magnifies such rounding in near-zero gradients, most in the weights. Largest differences measured
+here over all layouts (pipelines against the ordinary single-process run): loss 1.7e-7, gradient
+norm 1.2e-6, weights 7.5e-5 (tp2, fsdp2-tp2; pipelines 2.5e-5). The bounds below keep a margin
+over those and stay far below what a wrong gradient produces (a summed instead of averaged
+gradient doubles the gradient norm; a skipped tied-gradient exchange moves the embedding by
+~1e-2 relative).
 """
 
 from __future__ import annotations
@@ -18,15 +32,18 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 
 from tests.conftest import run_cli, write_corpus, write_recipe
+from trainbook.checkpoint import load_state, tensor_entries
 
 COMMON = ["model.name=tiny", "train.max_steps=20", "train.micro_batch_size=2", "train.eval_every=10",
           "log.every_steps=1", "checkpoint.interval_steps=10"]
+NO_CLIP = "optim.grad_clip=0"
 
 LAYOUTS = {
     "ddp2": (2, ["parallel.data_parallel=ddp", "parallel.dp_replicate=2", "parallel.dp_shard=1"]),
-    "fsdp2": (2, ["parallel.dp_shard=2"]),
+    "fsdp2": (2, ["parallel.dp_shard=2", NO_CLIP]),
     "tp2": (2, ["parallel.tp=2", "parallel.dp_shard=1"]),
     "pp2-gpipe": (2, ["parallel.pp=2", "parallel.dp_shard=1", "parallel.pp_schedule=gpipe"]),
     "pp2-1f1b": (2, ["parallel.pp=2", "parallel.dp_shard=1", "parallel.pp_schedule=1f1b"]),
@@ -35,29 +52,70 @@ LAYOUTS = {
     "fsdp2-pp2": (4, ["parallel.dp_shard=2", "parallel.pp=2"]),
 }
 
+# Largest relative difference allowed: (loss, grad_norm, weights); see the module docstring.
+REL = (1e-5, 1e-5, 5e-4)
 
-def _losses(run_dir: Path) -> dict[tuple[str, int], float]:
-    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    return {(r["kind"], r["step"]): r["loss"] if r["kind"] == "train" else r["val_loss"] for r in records}
+
+def _metrics(run_dir: Path) -> dict[tuple[str, int], float]:
+    """{("train", step): loss, ("grad_norm", step): norm, ("eval", step): val_loss}"""
+    values = {}
+    for line in (run_dir / "metrics.jsonl").read_text().splitlines():
+        r = json.loads(line)
+        if r["kind"] == "train":
+            values["train", r["step"]] = r["loss"]
+            values["grad_norm", r["step"]] = r["grad_norm"]
+        elif r["kind"] == "eval":
+            values["eval", r["step"]] = r["val_loss"]
+    return values
+
+
+def _weights(run_dir: Path) -> dict[str, torch.Tensor]:
+    """The model tensors of the step-20 checkpoint, whole, whatever layout wrote them."""
+    ckpt = run_dir / "checkpoints" / "step-20"
+    shapes = {k.removeprefix("model."): tuple(v.size) for k, v in tensor_entries(ckpt).items()
+              if k.startswith("model.")}
+    model = {name: torch.empty(shape) for name, shape in shapes.items()}
+    load_state(ckpt, {"model": model})
+    return model
+
+
+def _relative(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a - b).abs().max() / b.abs().max()).item()
+
+
+def _differences(got: tuple[dict, dict], expected: tuple[dict, dict]) -> dict[str, tuple[float, str]]:
+    """The largest relative difference of each kind (loss, grad_norm, weights) and where it is."""
+    (metrics, weights), (metrics_ref, weights_ref) = got, expected
+    assert metrics.keys() == metrics_ref.keys()
+    assert weights.keys() == weights_ref.keys()
+    worst = dict.fromkeys(("loss", "grad_norm", "weights"), (0.0, ""))
+    for key, ref in metrics_ref.items():
+        kind = "grad_norm" if key[0] == "grad_norm" else "loss"
+        worst[kind] = max(worst[kind], (abs(metrics[key] - ref) / abs(ref), f"{key}: {metrics[key]} vs {ref}"))
+    for name, ref in weights_ref.items():
+        worst["weights"] = max(worst["weights"], (_relative(weights[name], ref), name))
+    return worst
 
 
 class Baselines:
-    """Single-process runs of the recipe, made once each and shared by the layouts."""
+    """Single-process runs of the recipe (with and without clipping), made once each and shared."""
 
     def __init__(self, tmp: Path):
         corpus = write_corpus(tmp / "corpus")
         self.recipe = write_recipe(tmp / "unit.toml", corpus)
-        self._losses: dict[int, dict] = {}
+        self._runs: dict[bool, tuple[dict, dict]] = {}
 
-    def losses(self, micro_batch_size: int) -> dict:
-        if micro_batch_size not in self._losses:
-            run_dir = self.recipe.parent / f"single-mbs{micro_batch_size}"
-            done = run_cli("run", str(self.recipe), *COMMON, f"train.micro_batch_size={micro_batch_size}",
-                           "--run-dir", str(run_dir), cwd=self.recipe.parent)
+    def run_dir(self, clip: bool = True) -> Path:
+        return self.recipe.parent / ("single" if clip else "single-noclip")
+
+    def results(self, clip: bool = True) -> tuple[dict, dict]:
+        if clip not in self._runs:
+            done = run_cli("run", str(self.recipe), *COMMON, *([] if clip else [NO_CLIP]),
+                           "--run-dir", str(self.run_dir(clip)), cwd=self.recipe.parent)
             assert done.returncode == 0, done.stderr
-            self._losses[micro_batch_size] = _losses(run_dir)
-            assert len([k for k in self._losses[micro_batch_size] if k[0] == "train"]) == 20
-        return self._losses[micro_batch_size]
+            self._runs[clip] = _metrics(self.run_dir(clip)), _weights(self.run_dir(clip))
+            assert len([k for k in self._runs[clip][0] if k[0] == "train"]) == 20
+        return self._runs[clip]
 
 
 @pytest.fixture(scope="module")
@@ -65,24 +123,31 @@ def baselines(tmp_path_factory):
     return Baselines(tmp_path_factory.mktemp("layouts"))
 
 
+def _run(baselines: Baselines, nproc: int, overrides: list[str], run_dir: Path, *extra: str):
+    done = run_cli("run", str(baselines.recipe), *COMMON, *overrides, "--nproc", str(nproc), *extra,
+                   "--run-dir", str(run_dir), cwd=baselines.recipe.parent, timeout=600)
+    # Results first. A non-zero exit is tolerated only as gloo's known exit-time abort (DESIGN.md:
+    # "terminate called after throwing an instance of 'gloo::EnforceNotMet'", a rank's transport
+    # thread reading "Connection reset by peer" from a peer that already exited) after rank 0 has
+    # reported the finished run; its source is not fixed yet.
+    finished = "done: 20 steps" in done.stdout
+    assert done.returncode == 0 or (finished and "terminate called" in done.stderr), \
+        done.stdout[-2000:] + done.stderr[-3000:]
+    assert finished
+    return done
+
+
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_layout_matches_one_process(baselines, tmp_path, layout):
-    recipe = baselines.recipe
     nproc, overrides = LAYOUTS[layout]
-    expected = baselines.losses(2)
-    if "parallel.pp=2" in overrides:  # train losses from the run with the same chunks (eval batches
-        # depend on micro_batch_size, so evaluations stay compared with the micro_batch_size=2 run)
-        expected = {**expected, **{k: v for k, v in baselines.losses(1).items() if k[0] == "train"}}
-    done = run_cli("run", str(recipe), *COMMON, *overrides, "--nproc", str(nproc), "--run-dir",
-                   str(tmp_path / layout), cwd=recipe.parent, timeout=600)
-    # Results first; a non-zero exit is tolerated only as gloo's known exit-time crash (DESIGN.md)
-    # after rank 0 has reported the finished run.
-    finished = "done: 20 steps" in done.stdout
-    assert done.returncode == 0 or (finished and "Signal" in done.stderr), done.stdout[-2000:] + done.stderr[-3000:]
-    got = _losses(tmp_path / layout)
-    assert got.keys() == expected.keys()
-    for key, value in expected.items():
-        assert got[key] == pytest.approx(value, rel=1e-5), (layout, key, got[key], value)
+    expected = baselines.results(clip=NO_CLIP not in overrides)
+    _run(baselines, nproc, overrides, tmp_path / layout)
+    worst = _differences((_metrics(tmp_path / layout), _weights(tmp_path / layout)), expected)
+    tolerance = dict(zip(worst, REL))
+    print(layout, {kind: f"{value:.2e}" for kind, (value, _) in worst.items()})
+    failed = {kind: (f"{value:.3e} > {tolerance[kind]:.0e}", where) for kind, (value, where) in worst.items()
+              if not value <= tolerance[kind]}
+    assert not failed, (layout, failed)
     env = json.loads((tmp_path / layout / "env.json").read_text())
     assert env["world_size"] == nproc
 
@@ -99,14 +164,12 @@ def test_a_one_process_checkpoint_resumes_in_another_layout(baselines, tmp_path,
     """Step 10 of the single-process run continues in `layout`; steps 11-20 match the
     uninterrupted single-process run."""
     nproc, overrides = RESUMED_LAYOUTS[layout]
-    expected = baselines.losses(2)
-    checkpoint = baselines.recipe.parent / "single-mbs2" / "checkpoints" / "step-10"
-    done = run_cli("run", str(baselines.recipe), *COMMON, *overrides, "--nproc", str(nproc),
-                   "--resume", str(checkpoint), "--run-dir", str(tmp_path / "resumed"), cwd=baselines.recipe.parent,
-                   timeout=600)
-    finished = "done: 20 steps" in done.stdout
-    assert done.returncode == 0 or (finished and "Signal" in done.stderr), done.stdout[-2000:] + done.stderr[-3000:]
-    got = _losses(tmp_path / "resumed")
+    expected, _ = baselines.results()
+    checkpoint = baselines.run_dir() / "checkpoints" / "step-10"
+    _run(baselines, nproc, overrides, tmp_path / "resumed", "--resume", str(checkpoint))
+    got = _metrics(tmp_path / "resumed")
     assert sorted(k for k in got if k[0] == "train") == [("train", s) for s in range(11, 21)]
+    rel = REL[0]
     for key, value in got.items():
-        assert value == pytest.approx(expected[key], rel=1e-5), (key, value, expected[key])
+        if key[0] != "grad_norm":
+            assert value == pytest.approx(expected[key], rel=rel), (key, value, expected[key])
