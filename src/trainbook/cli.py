@@ -156,7 +156,8 @@ def main() -> None:
         code = 130
     code = code if isinstance(code, int) else 0
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
-        # gloo can abort at interpreter exit after all work is done (DESIGN.md): skip the teardown.
+        # No teardown after a finished run: the ranks have met at a barrier and left the process
+        # group to this exit (Runtime.finish); gloo's teardown can abort (DESIGN.md).
         sys.stdout.flush(), sys.stderr.flush()
         os._exit(code)
     sys.exit(code)

@@ -74,9 +74,11 @@ def start_run(res: Resolved, run_dir: Path | None = None, resume: str = "auto") 
                 trainer.load_checkpoint(start.path)
                 trainer.record_resume(start.path, skipped=start.skipped, changed=changed,
                                       dropped_metric_lines=dropped)
-            return trainer.fit()
+            summary = trainer.fit()
         finally:
-            trainer.close()
+            trainer.close()  # joins the checkpoint threads: their collectives are over too
+        rt.finish()  # every rank done: a barrier, then the exit (see Runtime.finish)
+        return summary
     finally:
         rt.close()
 

@@ -38,6 +38,8 @@ class Runtime:
     dims: ParallelDims
     device: torch.device
     mesh: Any = None
+    finished: bool = False
+    """Every rank has finished the run (`finish`): the process group is left to the process exit."""
 
     @property
     def is_main(self) -> bool:
@@ -87,8 +89,25 @@ class Runtime:
         if self.distributed:
             dist.barrier()
 
-    def close(self) -> None:
+    def finish(self) -> None:
+        """This rank's run is over: meet every rank, then leave the process group to the exit.
+
+        A worker ends with `os._exit` (cli.main): no destructors, the kernel closes its sockets.
+        The barrier makes that safe: until every rank has got here, a peer may still be in its
+        last collective (or a checkpoint thread's) and would see this rank's connections close
+        under it. After it nobody communicates any more, and the group is not torn down:
+        destroy_process_group() would run gloo's shutdown of its pairs and threads while peers
+        are already exiting, the one piece of C++ teardown left once os._exit skips the
+        interpreter's (where DESIGN.md's "terminate called without an active exception" came
+        from), and of no use to a process that ends now.
+        """
         if self.distributed and dist.is_initialized():
+            dist.barrier()
+            self.finished = True
+
+    def close(self) -> None:
+        """After a failure: tear the process group down (a peer may never reach a barrier)."""
+        if self.distributed and dist.is_initialized() and not self.finished:
             dist.destroy_process_group()
 
 
