@@ -14,7 +14,6 @@ test_precision.py). Writes OUT_DIR/rank<R>.pt:
 
 from __future__ import annotations
 
-import os
 import sys
 from collections import Counter
 from pathlib import Path
@@ -28,6 +27,7 @@ from trainbook.config.schema import ModelConfig
 from trainbook.model import build_model, resolve
 from trainbook.parallel.apply import ApplyOptions, parallelize
 from trainbook.parallel.dims import ParallelDims
+from trainbook.parallel.runtime import end_process
 from trainbook.precision import fsdp_policy
 from trainbook.train.engine import lm_loss
 
@@ -116,11 +116,7 @@ def main() -> None:
         result["fp32_ops"][dtype] = traces
 
     torch.save(result, out_dir / f"rank{rank}.pt")
-    dist.barrier()
-    dist.destroy_process_group()
-    # gloo can abort at interpreter exit after all work is done (DESIGN.md): skip the teardown.
-    sys.stdout.flush(), sys.stderr.flush()
-    os._exit(0)
+    end_process(0)
 
 
 if __name__ == "__main__":

@@ -10,7 +10,6 @@ test finds which global samples those are from the tokens alone), plus every ran
 from __future__ import annotations
 
 import json
-import os
 import sys
 from pathlib import Path
 
@@ -18,6 +17,7 @@ import torch.distributed as dist
 
 from trainbook.data import TrainLoader
 from trainbook.data.shards import TokenStream
+from trainbook.parallel.runtime import end_process
 
 WEIGHTS = {"web": 0.5, "code": 0.3, "books": 0.2}
 
@@ -35,11 +35,7 @@ def main() -> None:
     dist.all_gather_object(states, loader.state_dict())  # a real collective across the ranks
     out = {"rank": rank, "world_size": world_size, "first_tokens": batches, "states": states}
     (out_dir / f"rank{rank}.json").write_text(json.dumps(out))
-    dist.barrier()
-    dist.destroy_process_group()
-    # gloo can abort at interpreter exit after all work is done (DESIGN.md): skip the teardown.
-    sys.stdout.flush(), sys.stderr.flush()
-    os._exit(0)
+    end_process(0)
 
 
 if __name__ == "__main__":

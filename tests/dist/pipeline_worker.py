@@ -12,7 +12,6 @@ last stage), gradient norms, eval losses after each step, and this rank's parame
 
 from __future__ import annotations
 
-import os
 import sys
 from pathlib import Path
 
@@ -23,6 +22,7 @@ from trainbook.config import Config, ModelConfig, ParallelConfig, TrainConfig
 from trainbook.model import build_model, resolve
 from trainbook.parallel.dims import resolve_dims
 from trainbook.parallel.pipeline import build_pipeline
+from trainbook.parallel.runtime import end_process
 from trainbook.train.engine import lm_loss
 
 STEPS, ACCUM, B, T, VOCAB, LR, CLIP = 3, 2, 4, 16, 128, 1e-2, 0.5
@@ -103,10 +103,7 @@ def main() -> None:
     dist.init_process_group("gloo")
     for case in sys.argv[2:]:
         run_case(case, out_dir)
-    dist.destroy_process_group()
-    # gloo can abort at interpreter exit after all work is done (DESIGN.md): skip the teardown.
-    sys.stdout.flush(), sys.stderr.flush()
-    os._exit(0)
+    end_process(0)
 
 
 if __name__ == "__main__":

@@ -16,10 +16,9 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
 import sys
-from pathlib import Path
 import weakref
+from pathlib import Path
 from types import SimpleNamespace
 
 import torch
@@ -27,13 +26,13 @@ import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from trainbook.parallel.apply import _SAVE_OPS
-from trainbook.parallel.runtime import Runtime
-from trainbook.precision import Precision
-from trainbook.train.optim import build_optimizer
 from trainbook.commands.resolve import resolve
+from trainbook.parallel.apply import _SAVE_OPS
+from trainbook.parallel.runtime import Runtime, end_process
 from trainbook.phase import PhaseTracker
+from trainbook.precision import Precision
 from trainbook.train.engine import lm_loss
+from trainbook.train.optim import build_optimizer
 from trainbook.train.trainer import Trainer
 
 RECIPE = Path(__file__).resolve().parents[2] / "recipes" / "tiny-shakespeare.toml"
@@ -223,10 +222,7 @@ def main() -> None:
     dist.init_process_group("gloo")
     for name in sys.argv[3:]:
         run_case(name, cases[name], out_dir)
-    dist.destroy_process_group()
-    # gloo can abort at interpreter exit after all work is done (DESIGN.md): skip the teardown.
-    sys.stdout.flush(), sys.stderr.flush()
-    os._exit(0)
+    end_process(0)
 
 
 if __name__ == "__main__":

@@ -9,7 +9,6 @@ through the Checkpointer, once synchronously (step 11) and once asynchronously (
 
 from __future__ import annotations
 
-import os
 import sys
 from pathlib import Path
 
@@ -20,6 +19,7 @@ from torch.distributed.fsdp import fully_shard
 from trainbook.checkpoint import Checkpointer, load_state, tensor_entries
 from trainbook.config import CheckpointConfig, ModelConfig
 from trainbook.model import build_model, resolve
+from trainbook.parallel.runtime import end_process
 from trainbook.train.optim import optimizer_state, optimizer_state_like
 
 
@@ -46,11 +46,7 @@ def main() -> None:
         saver.save(step, {"model": model.state_dict(), "optim": optimizer_state(model, optimizer),
                           "trainer": {"step": torch.tensor(step)}})
         saver.close()
-    dist.barrier()
-    dist.destroy_process_group()
-    # gloo can abort at interpreter exit after all work is done (DESIGN.md): skip the teardown.
-    sys.stdout.flush(), sys.stderr.flush()
-    os._exit(0)
+    end_process(0)
 
 
 if __name__ == "__main__":

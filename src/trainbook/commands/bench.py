@@ -152,8 +152,7 @@ def bench_comm_command(
             proc.terminate()  # torchrun passes SIGTERM on to its workers (SIGKILL 30 s later)
             log, _ = proc.communicate()
             raise RuntimeError(f"comm bench timed out after {timeout_s} s:\n{log[-3000:]}") from None
-        # A non-zero exit after the result is written is tolerated only as gloo's exit-time abort.
-        if not out.exists() or (proc.returncode != 0 and "terminate called" not in log):
+        if not out.exists() or proc.returncode != 0:
             raise RuntimeError(f"comm bench failed (exit code {proc.returncode}):\n{log[-3000:]}")
         result = json.loads(out.read_text())
     return describe(result) + "\n" + format_table(result["records"])

@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -34,6 +33,7 @@ import torch
 import torch.distributed as dist
 
 from trainbook.errors import TrainbookError
+from trainbook.parallel.runtime import end_process
 from trainbook.sizes import parse_size
 
 OPS = ("all_reduce", "all_gather", "reduce_scatter")
@@ -225,11 +225,7 @@ def main(argv: Sequence[str] | None = None) -> None:
             tmp = args.json.with_name(args.json.name + ".tmp")
             tmp.write_text(json.dumps(result, indent=1))
             tmp.replace(args.json)  # complete or absent
-    dist.barrier()
-    dist.destroy_process_group()
-    # gloo can abort at interpreter exit after all work is done (DESIGN.md): skip the teardown.
-    sys.stdout.flush(), sys.stderr.flush()
-    os._exit(0)
+    end_process(0)
 
 
 if __name__ == "__main__":

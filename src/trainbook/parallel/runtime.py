@@ -8,9 +8,10 @@ from __future__ import annotations
 
 import datetime as dt
 import os
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any, NoReturn, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -109,6 +110,18 @@ class Runtime:
         """After a failure: tear the process group down (a peer may never reach a barrier)."""
         if self.distributed and dist.is_initialized() and not self.finished:
             dist.destroy_process_group()
+
+
+def end_process(code: int = 0) -> NoReturn:
+    """A worker whose every collective is done: meet the other ranks, then end without teardown.
+
+    For entry points that hold a process group outside `Runtime` (the collective benchmark, test
+    workers); the reasoning is `Runtime.finish`'s.
+    """
+    if dist.is_initialized():
+        dist.barrier()
+    sys.stdout.flush(), sys.stderr.flush()
+    os._exit(code)
 
 
 def start_runtime(dims: ParallelDims, device: torch.device, timeout_s: float) -> Runtime:
