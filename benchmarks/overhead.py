@@ -38,6 +38,7 @@ from trainbook.commands.preflight import prepare_data
 from trainbook.commands.recipe import default_recipe
 from trainbook.commands.resolve import resolve
 from trainbook.model import build_model
+from trainbook.monitor import Sink
 from trainbook.runs import create_run_dir
 from trainbook.train.trainer import Trainer
 
@@ -117,7 +118,7 @@ def bare_loop(cfg, shard: Path, out: Path) -> tuple[list[float], dict[str, torch
 
 # ---- trainbook ----------------------------------------------------------------------------------
 
-class StepLosses:
+class StepLosses(Sink):
     """A monitor like any other: keeps every step's loss (the metrics file has every 20th)."""
 
     def __init__(self):
@@ -126,22 +127,13 @@ class StepLosses:
     def on_step(self, report) -> None:
         self.losses.append(report.loss)
 
-    def on_eval(self, report) -> None:
-        pass
-
-    def message(self, text: str) -> None:
-        pass
-
-    def close(self) -> None:
-        pass
-
 
 def trainbook_loop(cfg, data, run_dir: Path, console: Path):
     create_run_dir(run_dir.parent, "overhead", run_dir)  # as `trainbook run` makes it
     with open(console, "a") as out, contextlib.redirect_stdout(out):
         trainer = Trainer(cfg, run_dir, data, torch.device("cpu"))
         steps = StepLosses()
-        trainer.monitors.append(steps)
+        trainer.monitors.add(steps)
         start = time.perf_counter()
         trainer.fit()
         seconds = time.perf_counter() - start

@@ -2,10 +2,13 @@
 
 from trainbook.config.load import dump_toml, load_config
 from trainbook.config.schema import (
+    ALERT_RULES,
+    AlertsConfig,
     CheckpointConfig,
     Config,
     DataConfig,
     LogConfig,
+    MonitorConfig,
     ModelConfig,
     OptimConfig,
     ParallelConfig,
@@ -18,7 +21,7 @@ from trainbook.config.schema import (
 )
 
 __all__ = [
-    "CheckpointConfig", "Config", "DataConfig", "LogConfig", "ModelConfig", "OptimConfig",
+    "ALERT_RULES", "AlertsConfig", "MonitorConfig", "CheckpointConfig", "Config", "DataConfig", "LogConfig", "ModelConfig", "OptimConfig",
     "ParallelConfig", "PrecisionConfig", "RunConfig", "ScheduleConfig", "SourceConfig",
     "TokenizerConfig", "TrainConfig", "dump_toml", "load_config",
 ]

@@ -317,6 +317,75 @@ class LogConfig(Section):
     """`auto`: a progress bar on a terminal, plain log lines otherwise."""
 
 
+class MonitorConfig(Section):
+    """Where a run's facts go besides metrics.jsonl, events.jsonl and the logs (always written).
+    Key names are a contract that scripts use."""
+
+    tensorboard: bool = True
+    """Write TensorBoard event files to `<run>/tb/`: scalars, and histograms of the layer statistics."""
+    prometheus_port: int = Field(default=0, ge=0, le=65535)
+    """Serve Prometheus metrics on this port (rank 0); 0 = off."""
+    prometheus_host: str = "127.0.0.1"
+    """Address the Prometheus endpoint binds to: localhost unless you mean otherwise."""
+    layer_stats_every: int = Field(default=100, ge=0)
+    """Every N steps: per block and parameter group gradient/parameter norms, update-to-weight
+    ratio and activation statistics (`layers.jsonl`, TensorBoard); 0 = off."""
+    wandb: bool = False
+    """Log to Weights & Biases (`pip install trainbook[wandb]`); offline unless `WANDB_MODE` says otherwise."""
+    wandb_project: str | None = None
+    """W&B project; unset: the run name."""
+    mlflow: bool = False
+    """Log to MLflow (`pip install trainbook[mlflow]`)."""
+    mlflow_tracking_uri: str | None = None
+    """MLflow tracking URI; unset: a local file store in `<run>/mlruns`."""
+
+
+ALERT_RULES = ("nonfinite", "loss_spike", "grad_spike", "throughput_drop", "stall", "memory_growth",
+               "val_regression", "mix_drift")
+
+
+class AlertsConfig(Section):
+    """Rules that watch the run, and where a fired alert goes (the log and events.jsonl always)."""
+
+    rules: list[str] = Field(default_factory=lambda: list(ALERT_RULES))
+    """Rule ids that are on: nonfinite, loss_spike, grad_spike, throughput_drop, stall,
+    memory_growth, val_regression, mix_drift."""
+    webhook_url: str | None = None
+    """POST each alert as JSON here (a background thread with timeout and retries; never blocks training)."""
+    command: list[str] | None = None
+    """Run this argv (never a shell) for each alert, with the alert as JSON on stdin."""
+    window: int = Field(default=50, ge=5)
+    """Steps of history the spike, throughput and memory rules judge a new step against."""
+    loss_spike_z: float = Field(default=6.0, gt=0)
+    """Robust z-score (median/MAD over `window`) above which a loss is a spike."""
+    grad_spike_z: float = Field(default=10.0, gt=0)
+    """Robust z-score above which a gradient norm is a spike."""
+    throughput_drop: float = Field(default=0.5, gt=0, lt=1)
+    """Alert when tokens/s falls below this fraction of the rolling median."""
+    stall_s: float = Field(default=600.0, gt=0)
+    """Alert when no step has completed for this many seconds (a heartbeat thread watches)."""
+    memory_growth_bytes_per_step: int = Field(default=1 << 20, ge=0)
+    """Alert when peak memory grows faster than this per step over `window` steps (a leak)."""
+    val_regression: float = Field(default=0.05, ge=0)
+    """Alert when the validation loss rises this fraction above its best so far."""
+    mix_drift: float = Field(default=0.1, gt=0, lt=1)
+    """Alert when a source's share of consumed tokens is this far (absolute) from its weight's share."""
+    webhook_timeout_s: float = Field(default=5.0, gt=0)
+    """Timeout of one webhook POST."""
+    webhook_retries: int = Field(default=3, ge=0)
+    """Retries of a failed POST, with exponential backoff."""
+    repeat_after_s: float = Field(default=300.0, ge=0)
+    """One rule fires again only after this many seconds (deduplication and rate limit)."""
+
+    @field_validator("rules")
+    @classmethod
+    def _known_rules(cls, rules: list[str]) -> list[str]:
+        unknown = [r for r in rules if r not in ALERT_RULES]
+        if unknown:
+            raise ValueError(f"unknown rule {unknown[0]!r}; rules are {', '.join(ALERT_RULES)}")
+        return rules
+
+
 class Config(Section):
     """A whole recipe. `extends` is consumed while loading and never appears here."""
 
@@ -331,3 +400,5 @@ class Config(Section):
     parallel: ParallelConfig = ParallelConfig()
     checkpoint: CheckpointConfig = CheckpointConfig()
     log: LogConfig = LogConfig()
+    monitor: MonitorConfig = MonitorConfig()
+    alerts: AlertsConfig = AlertsConfig()

@@ -1,10 +1,14 @@
-"""Observers of training: metrics files, run logs, console progress."""
+"""Observers of training: metrics files, run logs, console progress, sinks, alerts, reports."""
 
+from trainbook.monitor.build import RunInfo, build_monitors
 from trainbook.monitor.logs import close_run_logger, setup_run_logger
-from trainbook.monitor.report import EvalReport, StepReport
-from trainbook.monitor.sinks import EventLog, LogLines, MetricsFile, Monitor, console_monitor, rewind_metrics
+from trainbook.monitor.report import Alert, EvalReport, LayerReport, RankSpread, StepReport
+from trainbook.monitor.sinks import (
+    EventLog, LogLines, MetricsFile, Monitor, Monitors, Sink, console_monitor, rewind_metrics,
+)
 
 __all__ = [
-    "EvalReport", "EventLog", "LogLines", "MetricsFile", "Monitor", "StepReport", "close_run_logger",
-    "console_monitor", "rewind_metrics", "setup_run_logger",
+    "Alert", "EvalReport", "EventLog", "LayerReport", "LogLines", "MetricsFile", "Monitor", "Monitors",
+    "RankSpread", "RunInfo", "Sink", "StepReport", "build_monitors", "close_run_logger", "console_monitor",
+    "rewind_metrics", "setup_run_logger",
 ]

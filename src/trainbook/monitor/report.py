@@ -6,6 +6,25 @@ from dataclasses import asdict, dataclass, field
 
 
 @dataclass(frozen=True)
+class RankSpread:
+    """One value per rank (index = rank) for each measured quantity."""
+
+    step_time_s: list[float]
+    data_wait_s: list[float]
+    mem_peak_bytes: list[int]
+
+    def summary(self) -> dict:
+        """min, max and which rank for each quantity (the metrics.jsonl form)."""
+        out = {}
+        for key in ("step_time_s", "data_wait_s", "mem_peak_bytes"):
+            values = getattr(self, key)
+            lo = min(range(len(values)), key=values.__getitem__)
+            hi = max(range(len(values)), key=values.__getitem__)
+            out[key] = {"min": values[lo], "min_rank": lo, "max": values[hi], "max_rank": hi}
+        return out
+
+
+@dataclass(frozen=True)
 class StepReport:
     step: int
     """Optimizer steps completed (1-based)."""
@@ -30,12 +49,20 @@ class StepReport:
     """Per training source: {"target": weight share, "actual": share of the tokens consumed}."""
     skipped: bool = False
     """fp16: this step's gradients overflowed and its update was dropped (counted in skipped_steps)."""
+    mfu: float | None = None
+    """Model FLOPs utilisation (monitor/flops.py); None when the device's peak is unknown."""
+    data_wait_share: float = 0.0
+    """Share of the step spent waiting for data (phases["data"] / step_time_s)."""
+    ranks: RankSpread | None = None
+    """Every rank's step time, data wait and peak memory; gathered at the logging cadence only
+    (None on other steps and in one process)."""
 
     def metrics_record(self) -> dict:
         """The `metrics.jsonl` line (keys are a contract, see DESIGN.md). A skipped fp16 step's
         gradient norm is inf: written as null, since JSON has no infinity."""
         record = {"kind": "train", **asdict(self)}
         del record["skipped"]  # the running count, skipped_steps, is the recorded fact
+        record["ranks"] = self.ranks.summary() if self.ranks is not None else None
         if record["grad_norm"] != record["grad_norm"] or abs(record["grad_norm"]) == float("inf"):
             record["grad_norm"] = None
         return record
@@ -49,3 +76,40 @@ class EvalReport:
 
     def metrics_record(self) -> dict:
         return {"kind": "eval", **asdict(self)}
+
+
+@dataclass(frozen=True)
+class LayerReport:
+    """Per-layer statistics of one step (diagnose/layers.py), every `monitor.layer_stats_every` steps.
+
+    `blocks` maps a block name ("embed", "layers.0", ..., "norm", "output") and `groups` a
+    parameter group ("decay", "no_decay") to {"grad_norm", "param_norm", "update_ratio"}; blocks
+    with activations also carry {"act_mean", "act_std", "act_max_abs", "act_zero_frac"}. All
+    values are global (over every rank's shard and every data-parallel rank's batch).
+    """
+
+    step: int
+    blocks: dict[str, dict[str, float]]
+    groups: dict[str, dict[str, float]]
+    time: float
+
+    def record(self) -> dict:
+        """The `layers.jsonl` line."""
+        return {"step": self.step, "time": self.time, "blocks": self.blocks, "groups": self.groups}
+
+
+@dataclass(frozen=True)
+class Alert:
+    """An alert rule fired (monitor/alerts.py). Top-level keys of the webhook payload."""
+
+    run: str
+    rank: int
+    rule: str
+    value: float | None
+    step: int
+    time: float
+    message: str
+    threshold: float | None = None
+
+    def payload(self) -> dict:
+        return asdict(self)

@@ -11,14 +11,76 @@ from pathlib import Path
 from typing import Protocol
 
 from trainbook.atomic import atomic_write_text
-from trainbook.monitor.report import EvalReport, StepReport
+from trainbook.monitor.report import Alert, EvalReport, LayerReport, StepReport
 
 
 class Monitor(Protocol):
     def on_step(self, report: StepReport) -> None: ...
     def on_eval(self, report: EvalReport) -> None: ...
+    def on_layers(self, report: LayerReport) -> None: ...
+    def on_alert(self, alert: Alert) -> None: ...
     def message(self, text: str) -> None: ...
     def close(self) -> None: ...
+
+
+class Sink:
+    """A monitor that ignores what it does not use: subclasses override what they consume."""
+
+    def on_step(self, report: StepReport) -> None:
+        pass
+
+    def on_eval(self, report: EvalReport) -> None:
+        pass
+
+    def on_layers(self, report: LayerReport) -> None:
+        pass
+
+    def on_alert(self, alert: Alert) -> None:
+        pass
+
+    def message(self, text: str) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+class Monitors(Sink):
+    """Every monitor of a run behind one object: each report goes to all of them, in order.
+
+    Alert rules are monitors too; what they fire comes back through `on_alert`, so every sink
+    (log, events.jsonl, Prometheus' counter, webhooks) sees each alert.
+    """
+
+    def __init__(self, monitors: list[Monitor] | None = None):
+        self.monitors: list[Monitor] = list(monitors or [])
+
+    def add(self, monitor: Monitor) -> None:
+        self.monitors.append(monitor)
+
+    def on_step(self, report: StepReport) -> None:
+        for m in self.monitors:
+            m.on_step(report)
+
+    def on_eval(self, report: EvalReport) -> None:
+        for m in self.monitors:
+            m.on_eval(report)
+
+    def on_layers(self, report: LayerReport) -> None:
+        for m in self.monitors:
+            m.on_layers(report)
+
+    def on_alert(self, alert: Alert) -> None:
+        for m in self.monitors:
+            m.on_alert(alert)
+
+    def message(self, text: str) -> None:
+        for m in self.monitors:
+            m.message(text)
+
+    def close(self) -> None:
+        for m in reversed(self.monitors):
+            m.close()
 
 
 class JsonlWriter:
@@ -47,6 +109,16 @@ class EventLog(JsonlWriter):
 
     def emit(self, kind: str, step: int, **fields) -> None:
         self.write({"kind": kind, "step": step, "time": time.time(), **fields})
+
+
+class AlertEvents(Sink):
+    """Every fired alert is an `alert` line in events.jsonl."""
+
+    def __init__(self, events: EventLog):
+        self.events = events
+
+    def on_alert(self, alert: Alert) -> None:
+        self.events.write({"kind": "alert", **alert.payload()})
 
 
 def rewind_metrics(path: Path, step: int) -> int:
@@ -90,7 +162,7 @@ def _due(step: int, every: int, max_steps: int) -> bool:
     return step % every == 0 or step == max_steps
 
 
-class MetricsFile:
+class MetricsFile(Sink):
     """metrics.jsonl: a train line every `every_steps` (and at the last step), every eval."""
 
     def __init__(self, path: Path, every_steps: int, max_steps: int):
@@ -105,14 +177,11 @@ class MetricsFile:
     def on_eval(self, report: EvalReport) -> None:
         self._writer.write(report.metrics_record())
 
-    def message(self, text: str) -> None:
-        pass
-
     def close(self) -> None:
         self._writer.close()
 
 
-class LogLines:
+class LogLines(Sink):
     """The run log: the same plain line the console shows, at the logging cadence."""
 
     def __init__(self, logger: logging.Logger, every_steps: int, max_steps: int):
@@ -127,11 +196,11 @@ class LogLines:
     def on_eval(self, report: EvalReport) -> None:
         self.logger.info(f"eval step {report.step}: val_loss {report.val_loss:.4f}")
 
+    def on_alert(self, alert: Alert) -> None:
+        self.logger.warning(f"alert {alert.rule} at step {alert.step}: {alert.message}")
+
     def message(self, text: str) -> None:
         self.logger.info(text)
-
-    def close(self) -> None:
-        pass
 
 
 class PlainConsole(LogLines):
@@ -152,7 +221,7 @@ class PlainConsole(LogLines):
         self.logger.removeHandler(self._handler)
 
 
-class ProgressBar:
+class ProgressBar(Sink):
     """On a terminal: one live bar with step, loss, tokens/s and ETA; messages print above it."""
 
     def __init__(self, max_steps: int):

@@ -28,8 +28,7 @@ from trainbook.faults import fault_point
 from trainbook.model import build_model, num_params
 from trainbook.model.surgery import freeze, reinit, resize_vocab, trainable_summary
 from trainbook.monitor import (
-    EvalReport, EventLog, LogLines, MetricsFile, StepReport, close_run_logger, console_monitor,
-    setup_run_logger,
+    EvalReport, EventLog, Monitors, RunInfo, StepReport, build_monitors, close_run_logger, setup_run_logger,
 )
 from trainbook.parallel.apply import ApplyOptions, parallelize
 from trainbook.parallel.device import peak_memory_bytes
@@ -147,20 +146,16 @@ class Trainer:
         return list(val_batches(data.val, t.seq_len, t.micro_batch_size, t.eval_steps,
                                 self.cfg.data.packing, eos_id=data.tokenizer.eos_id))
 
-    def _build_monitors(self) -> tuple[logging.Logger, EventLog, list]:
+    def _build_monitors(self) -> tuple[logging.Logger, EventLog | NoEvents, Monitors]:
         """Rank 0 writes the run's records and the console; every rank keeps its own log file."""
-        log, max_steps = self.cfg.log, self.cfg.train.max_steps
-        logger = setup_run_logger(self.run_dir / "logs", rank=self.rank, level=log.level,
-                                  retention_days=log.retention_days)
-        if not self.rt.is_main:
-            return logger, NoEvents(), [LogLines(logger, log.every_steps, max_steps)]
-        events = EventLog(self.run_dir / "events.jsonl")
-        monitors = [
-            MetricsFile(self.run_dir / "metrics.jsonl", log.every_steps, max_steps),
-            LogLines(logger, log.every_steps, max_steps),
-            console_monitor(log.progress, log.every_steps, max_steps),
-        ]
-        return logger, events, monitors
+        cfg = self.cfg
+        logger = setup_run_logger(self.run_dir / "logs", rank=self.rank, level=cfg.log.level,
+                                  retention_days=cfg.log.retention_days)
+        events = EventLog(self.run_dir / "events.jsonl") if self.rt.is_main else None
+        info = RunInfo(self.run_dir, cfg.run.name or "run", self.rank, self.rt.world_size,
+                       cfg.train.max_steps, self.tracker)
+        monitors = build_monitors(info, cfg.log, cfg.monitor, cfg.alerts, logger, events)
+        return logger, events or NoEvents(), monitors
 
     # ---- the loop ------------------------------------------------------------------------
 
@@ -212,8 +207,7 @@ class Trainer:
             data_mix=self.train_loader.mixture_report(), loss_scale=result.loss_scale,
             skipped_steps=self.scaler.skipped if self.scaler.enabled else None, skipped=result.skipped,
         )
-        for monitor in self.monitors:  # read-only consumers of the report
-            monitor.on_step(report)
+        self.monitors.on_step(report)  # read-only consumers of the report
         return report
 
     def decide(self, report: StepReport) -> Decision:
@@ -257,8 +251,7 @@ class Trainer:
     def _evaluate(self) -> float:
         val_loss = evaluate(self.engine, self.val_batches, self.tracker)
         report = EvalReport(step=self.step, val_loss=val_loss, time=time.time())
-        for monitor in self.monitors:
-            monitor.on_eval(report)
+        self.monitors.on_eval(report)
         return val_loss
 
     # ---- checkpoints, resume, signals ----------------------------------------------------
@@ -346,14 +339,12 @@ class Trainer:
         self._message(f"{name} received: stopped after step {self.step} with a checkpoint")
 
     def _message(self, text: str) -> None:
-        for monitor in self.monitors:
-            monitor.message(text)
+        self.monitors.message(text)
 
     def close(self) -> None:
         self.checkpointer.close()
         self.train_loader.close()
-        for monitor in self.monitors:
-            monitor.close()
+        self.monitors.close()
         self.events.close()
         close_run_logger(self.logger)
 

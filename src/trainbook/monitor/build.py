@@ -1,0 +1,42 @@
+"""The monitors of one run, from the recipe's `[log]`, `[monitor]` and `[alerts]` sections.
+
+Rank 0 writes the run's records (metrics.jsonl, events.jsonl, layers.jsonl, TensorBoard,
+Prometheus, W&B/MLflow), fires alerts and drives the console; every rank keeps its own log file.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+from trainbook.config import AlertsConfig, LogConfig, MonitorConfig
+from trainbook.monitor.sinks import AlertEvents, EventLog, LogLines, MetricsFile, Monitors, console_monitor
+from trainbook.phase import PhaseTracker
+
+
+@dataclass(frozen=True)
+class RunInfo:
+    """What monitors may know about the run besides its reports."""
+
+    run_dir: Path
+    run_name: str
+    rank: int
+    world_size: int
+    max_steps: int
+    tracker: PhaseTracker | None = None
+    """What this rank is doing now (a stall alert says where the loop is stuck)."""
+
+
+def build_monitors(info: RunInfo, log: LogConfig, monitor: MonitorConfig, alerts: AlertsConfig,
+                   logger: logging.Logger, events: EventLog | None) -> Monitors:
+    """`events` is rank 0's events.jsonl (None on the other ranks)."""
+    if events is None:
+        return Monitors([LogLines(logger, log.every_steps, info.max_steps)])
+    monitors = Monitors([
+        MetricsFile(info.run_dir / "metrics.jsonl", log.every_steps, info.max_steps),
+        LogLines(logger, log.every_steps, info.max_steps),
+        AlertEvents(events),
+    ])
+    monitors.add(console_monitor(log.progress, log.every_steps, info.max_steps))
+    return monitors
