@@ -13,6 +13,11 @@ same recipe on three things:
 - the final weights: every model tensor of the step-20 checkpoint, read back whole whatever the
   layout (DCP reshards on load), compared by max |a - b| / max |b| per tensor.
 
+Per-layer statistics (layers.jsonl, every step) are global whatever the layout: block and
+parameter-group norms of sharded (FSDP, TP) parameters, activation statistics summed over
+data-parallel ranks, pipeline stages merged. Step 1 runs on identical weights in every layout, so
+its statistics are held to 1e-5; later steps to the weights' bound.
+
 One data-parallel layout (fsdp2) trains with `optim.grad_clip = 0` against a single-process run
 without clipping too, so the update itself follows the raw gradient there.
 
@@ -38,7 +43,7 @@ from tests.conftest import run_cli, write_corpus, write_recipe
 from trainbook.checkpoint import load_state, tensor_entries
 
 COMMON = ["model.name=tiny", "train.max_steps=20", "train.micro_batch_size=2", "train.eval_every=10",
-          "log.every_steps=1", "checkpoint.interval_steps=10"]
+          "log.every_steps=1", "checkpoint.interval_steps=10", "monitor.layer_stats_every=1"]
 NO_CLIP = "optim.grad_clip=0"
 
 LAYOUTS = {
@@ -97,6 +102,29 @@ def _differences(got: tuple[dict, dict], expected: tuple[dict, dict]) -> dict[st
     return worst
 
 
+def _layers(run_dir: Path) -> dict[int, dict]:
+    return {r["step"]: r for r in map(json.loads, (run_dir / "layers.jsonl").read_text().splitlines())}
+
+
+def _layer_differences(got: dict[int, dict], expected: dict[int, dict]) -> dict[int, tuple[float, str]]:
+    """Per step, the largest relative difference of any layer statistic and where it is. A mean
+    is held relative to its block's spread (it may be ~0), a zero fraction absolutely."""
+    assert got.keys() == expected.keys()
+    worst = {}
+    for step, ref in expected.items():
+        worst[step] = (0.0, "")
+        for part in ("blocks", "groups"):
+            assert got[step][part].keys() == ref[part].keys(), (step, part)
+            for name, stats in ref[part].items():
+                assert got[step][part][name].keys() == stats.keys(), (step, name)
+                for key, b in stats.items():
+                    a = got[step][part][name][key]
+                    scale = {"act_mean": max(abs(b), stats.get("act_std", 0.0)), "act_zero_frac": 1.0}.get(key, abs(b))
+                    diff = abs(a - b) / scale if scale > 0 else abs(a - b)
+                    worst[step] = max(worst[step], (diff, f"{part} {name} {key}: {a} vs {b}"))
+    return worst
+
+
 class Baselines:
     """Single-process runs of the recipe (with and without clipping), made once each and shared."""
 
@@ -144,8 +172,20 @@ def test_layout_matches_one_process(baselines, tmp_path, layout):
     failed = {kind: (f"{value:.3e} > {tolerance[kind]:.0e}", where) for kind, (value, where) in worst.items()
               if not value <= tolerance[kind]}
     assert not failed, (layout, failed)
+    layers = _layer_differences(_layers(tmp_path / layout), _layers(baselines.run_dir(NO_CLIP not in overrides)))
+    assert len(layers) == 20
+    print(layout, "layers", f"step 1 {layers[1][0]:.2e}", f"worst {max(layers.values())[0]:.2e}")
+    assert layers[1][0] <= 1e-5, (layout, layers[1])
+    assert max(layers.values())[0] <= REL[2], (layout, max(layers.values()))
     env = json.loads((tmp_path / layout / "env.json").read_text())
     assert env["world_size"] == nproc
+    # Every rank reported its step time, data wait and peak memory; rank 0 wrote the spread.
+    for line in (tmp_path / layout / "metrics.jsonl").read_text().splitlines():
+        record = json.loads(line)
+        if record["kind"] == "train":
+            for spread in record["ranks"].values():
+                assert 0 <= spread["min_rank"] < nproc and 0 <= spread["max_rank"] < nproc
+                assert 0 <= spread["min"] <= spread["max"]
 
 
 RESUMED_LAYOUTS = {  # resharding: (processes, overrides)

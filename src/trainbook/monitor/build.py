@@ -11,7 +11,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from trainbook.config import AlertsConfig, LogConfig, MonitorConfig
-from trainbook.monitor.sinks import AlertEvents, EventLog, LogLines, MetricsFile, Monitors, console_monitor
+from trainbook.monitor.sinks import (
+    AlertEvents, EventLog, LayersFile, LogLines, MetricsFile, Monitors, console_monitor,
+)
 from trainbook.phase import PhaseTracker
 
 
@@ -38,5 +40,7 @@ def build_monitors(info: RunInfo, log: LogConfig, monitor: MonitorConfig, alerts
         LogLines(logger, log.every_steps, info.max_steps),
         AlertEvents(events),
     ])
+    if monitor.layer_stats_every > 0:
+        monitors.add(LayersFile(info.run_dir / "layers.jsonl"))
     monitors.add(console_monitor(log.progress, log.every_steps, info.max_steps))
     return monitors

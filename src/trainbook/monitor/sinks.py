@@ -158,7 +158,8 @@ def _duration(seconds: float) -> str:
     return f"{hours}h{minutes:02d}m" if hours else f"{minutes}m{secs:02d}s"
 
 
-def _due(step: int, every: int, max_steps: int) -> bool:
+def due(step: int, every: int, max_steps: int) -> bool:
+    """A step at the logging cadence: every `every` steps and the last one."""
     return step % every == 0 or step == max_steps
 
 
@@ -171,11 +172,24 @@ class MetricsFile(Sink):
         self.max_steps = max_steps
 
     def on_step(self, report: StepReport) -> None:
-        if _due(report.step, self.every_steps, self.max_steps):
+        if due(report.step, self.every_steps, self.max_steps):
             self._writer.write(report.metrics_record())
 
     def on_eval(self, report: EvalReport) -> None:
         self._writer.write(report.metrics_record())
+
+    def close(self) -> None:
+        self._writer.close()
+
+
+class LayersFile(Sink):
+    """layers.jsonl: one line of per-layer statistics per measured step."""
+
+    def __init__(self, path: Path):
+        self._writer = JsonlWriter(path)
+
+    def on_layers(self, report: LayerReport) -> None:
+        self._writer.write(report.record())
 
     def close(self) -> None:
         self._writer.close()
@@ -190,7 +204,7 @@ class LogLines(Sink):
         self.max_steps = max_steps
 
     def on_step(self, report: StepReport) -> None:
-        if _due(report.step, self.every_steps, self.max_steps):
+        if due(report.step, self.every_steps, self.max_steps):
             self.logger.info(format_step(report, self.max_steps))
 
     def on_eval(self, report: EvalReport) -> None:

@@ -209,6 +209,11 @@ class Pipeline:
         self._loss_scale = 1.0  # set per pass: 1 / (n_microbatches * accum_steps)
         self._tied = tied
         self._passes = 0  # passes since the tied gradients were last summed
+        self.computing = False
+        """True while a stage runs a micro-batch's forward; False during the schedule's shape
+        inference, which runs the stage on uninitialised tensors (observers must ignore it)."""
+        for stage in stages:
+            stage.forward_maybe_with_nosync = self._marking(stage.forward_maybe_with_nosync)
         # scale_grads=False: the loss carries 1/n_microbatches (see the module docstring).
         if schedule == "interleaved1f1b":
             self.schedule = ScheduleInterleaved1F1B(stages, n_microbatches, loss_fn=self._scaled_loss,
@@ -216,6 +221,15 @@ class Pipeline:
         else:
             kind = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}[schedule]
             self.schedule = kind(stages[0], n_microbatches, loss_fn=self._scaled_loss, scale_grads=False)
+
+    def _marking(self, forward):
+        def forward_chunk(*args, **kwargs):
+            self.computing = True
+            try:
+                return forward(*args, **kwargs)
+            finally:
+                self.computing = False
+        return forward_chunk
 
     def parameters(self) -> Iterator[nn.Parameter]:
         """Every parameter of this rank's stages, each once."""

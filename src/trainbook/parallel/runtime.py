@@ -66,6 +66,15 @@ class Runtime:
         dist.all_reduce(value)
         return value / over
 
+    def all_gather_floats(self, values: list[float]) -> list[list[float]]:
+        """Every rank's `values` (same length on all ranks), indexed by rank."""
+        if not self.distributed:
+            return [list(values)]
+        mine = torch.tensor(values, dtype=torch.float64, device=self.device)
+        out = torch.empty(self.world_size * len(values), dtype=torch.float64, device=self.device)
+        dist.all_gather_into_tensor(out, mine)
+        return out.view(self.world_size, len(values)).tolist()
+
     def rank0_first(self, fn: Callable[[], T]) -> T:
         """Run `fn` on rank 0, share its result (or its user error) with every rank.
 

@@ -75,6 +75,10 @@ class LocalEngine:
         self.rt = rt
         self.tracker = tracker
 
+    def in_training_forward(self) -> bool:
+        """Whether a forward running now is a training step's (hooks that gather statistics ask)."""
+        return torch.is_grad_enabled()
+
     @classmethod
     def one_process(cls, model: nn.Module, precision: Precision) -> LocalEngine:
         """An engine for `model` alone in this process, on `precision`'s device."""
@@ -118,6 +122,10 @@ class PipelineEngine:
         # pipeline and single-device layouts.
         self.optim_aliases = {"output.weight": "tok_embeddings.weight"} \
             if tied is not None and not pipeline.has_first else {}
+
+    def in_training_forward(self) -> bool:
+        # Not the schedule's shape inference (uninitialised inputs), not an evaluation.
+        return self.pipeline.computing and torch.is_grad_enabled()
 
     def forward_backward(self, batch: Batch, accum_steps: int, scaler: LossScaler) -> torch.Tensor | None:
         # TODO(fp16 + pp): the schedule runs backward of the loss itself, unscaled; resolution

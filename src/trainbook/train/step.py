@@ -49,6 +49,7 @@ def train_step(
     scaler: LossScaler,
     tracker: PhaseTracker,
     before_update: Callable[[], None] | None = None,
+    observe_grads: Callable[[], None] | None = None,
 ) -> StepResult:
     """Forward and backward over `accum_steps` micro-batches, then unscale, clip and step. The
     caller has started the step on `tracker` (`begin_step`), which times its phases.
@@ -58,6 +59,7 @@ def train_step(
     gradients dropped, and the scaler backs off. Clipping sees unscaled gradients.
     `before_update` runs just before the optimizer changes any state: an async checkpoint still
     copying the previous step's state waits there, overlapped with this step's compute.
+    `observe_grads` sees the final gradients before clipping (per-layer statistics).
     """
     device = engine.rt.device
     loss_scale = scaler.scale_value
@@ -76,6 +78,9 @@ def train_step(
         optimizer.zero_grad(set_to_none=True)
         grad_norm = torch.tensor(float("inf"))
     else:
+        if observe_grads is not None:
+            tracker.enter(Phase.GRAD_SYNC, detail="layer statistics")
+            observe_grads()
         tracker.enter(Phase.GRAD_SYNC, detail="gradient norm")
         # max_norm=inf measures the norm without clipping, so grad_norm is always reported.
         grad_norm = engine.clip_grad_norm(grad_clip if grad_clip > 0 else float("inf"))

@@ -23,13 +23,17 @@ import trainbook
 from trainbook.checkpoint import Checkpointer, any_rank, load_state, tensor_entries
 from trainbook.config import Config, dump_toml
 from trainbook.data import Prepared, TrainLoader, val_batches
+from trainbook.diagnose.layers import LayerStats
 from trainbook.diagnose.timeouts import explain_timeout
 from trainbook.faults import fault_point
 from trainbook.model import build_model, num_params
 from trainbook.model.surgery import freeze, reinit, resize_vocab, trainable_summary
 from trainbook.monitor import (
-    EvalReport, EventLog, Monitors, RunInfo, StepReport, build_monitors, close_run_logger, setup_run_logger,
+    EvalReport, EventLog, Monitors, RankSpread, RunInfo, StepReport, build_monitors, close_run_logger,
+    setup_run_logger,
 )
+from trainbook.monitor.flops import device_peak, mfu, model_flops_per_token
+from trainbook.monitor.sinks import due
 from trainbook.parallel.apply import ApplyOptions, parallelize
 from trainbook.parallel.device import peak_memory_bytes
 from trainbook.parallel.dims import ParallelDims
@@ -80,6 +84,7 @@ class Trainer:
         self.train_loader = self._build_train_loader(data)
         self.val_batches = self._build_val_batches(data)
         self.logger, self.events, self.monitors = self._build_monitors()
+        self.layer_stats = self._build_layer_stats()
         self.checkpointer = Checkpointer(
             self.run_dir / "checkpoints", cfg.checkpoint, rank=self.rank, world_size=self.rt.world_size,
             describe=checkpoint_description(cfg, dims), on_commit=self._on_checkpoint_committed,
@@ -89,6 +94,8 @@ class Trainer:
         self.stop_signal: int | None = None  # set by SIGTERM/SIGINT; the loop saves and stops
         self.accum_steps = cfg.train.grad_accum_steps(dims.dp)
         self.tokens_per_step = self.accum_steps * cfg.train.micro_batch_size * cfg.train.seq_len * dims.dp
+        self.flops_per_token = model_flops_per_token(cfg.model, cfg.train.seq_len)
+        self.peak, self.peak_note = device_peak(self.device, cfg.precision.dtype)
 
     def _build_engine(self) -> LocalEngine | PipelineEngine:
         """The full model on every rank (same seed, same init, or imported weights), fine-tuning
@@ -157,6 +164,21 @@ class Trainer:
         monitors = build_monitors(info, cfg.log, cfg.monitor, cfg.alerts, logger, events)
         return logger, events or NoEvents(), monitors
 
+    def _build_layer_stats(self) -> LayerStats | None:
+        every = self.cfg.monitor.layer_stats_every
+        if every == 0:
+            return None
+        # Forward hooks inside compiled blocks would be traced (and recompiled when armed).
+        # A pipeline's last stage holds a copy of a tied embedding that the first stage reports.
+        copies = self.engine.embeddings if self.engine.optim_aliases else ()
+        return LayerStats(self.model, self.optimizer, self.rt, every, activations=not self.cfg.train.compile,
+                          copies=copies, training_forward=self.engine.in_training_forward)
+
+    def _before_update(self) -> None:
+        self.checkpointer.wait_staged()
+        if self.layer_stats is not None:
+            self.layer_stats.before_update()
+
     # ---- the loop ------------------------------------------------------------------------
 
     def fit(self) -> dict:
@@ -190,25 +212,45 @@ class Trainer:
         lr = self.schedule(self.step)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
+        stats = self.layer_stats if self.layer_stats is not None and self.layer_stats.due(self.step + 1) else None
+        if stats is not None:
+            stats.arm()
         start = time.perf_counter()
         self.tracker.begin_step(self.step + 1)
         try:
             result = train_step(self.engine, self.optimizer, batches, self.accum_steps, self.cfg.optim.grad_clip,
-                                self.scaler, self.tracker, before_update=self.checkpointer.wait_staged)
+                                self.scaler, self.tracker, before_update=self._before_update,
+                                observe_grads=stats.observe_grads if stats is not None else None)
         except RuntimeError as e:
             raise self._explain(e) from e
         elapsed = time.perf_counter() - start
         self.step += 1
         self.tokens += self.tokens_per_step  # a skipped step consumed its data too
+        tokens_per_s, mem = self.tokens_per_step / elapsed, peak_memory_bytes(self.device)
         report = StepReport(
             step=self.step, tokens=self.tokens, loss=result.loss, lr=lr, grad_norm=result.grad_norm,
-            tokens_per_s=self.tokens_per_step / elapsed, step_time_s=elapsed, phases=result.phases,
-            mem_peak_bytes=peak_memory_bytes(self.device), time=time.time(),
+            tokens_per_s=tokens_per_s, step_time_s=elapsed, phases=result.phases,
+            mem_peak_bytes=mem, time=time.time(),
             data_mix=self.train_loader.mixture_report(), loss_scale=result.loss_scale,
             skipped_steps=self.scaler.skipped if self.scaler.enabled else None, skipped=result.skipped,
+            mfu=mfu(tokens_per_s, self.flops_per_token, self.peak, self.rt.world_size),
+            data_wait_share=result.phases["data"] / elapsed,
+            ranks=self._rank_spread(elapsed, result.phases["data"], mem),
         )
         self.monitors.on_step(report)  # read-only consumers of the report
+        if stats is not None:  # measured after the step's timing: not part of tokens/s
+            layers = stats.finish(self.step)
+            if layers is not None:
+                self.monitors.on_layers(layers)
         return report
+
+    def _rank_spread(self, step_time: float, data_wait: float, mem: int) -> RankSpread | None:
+        """Every rank's step time, data wait and peak memory, at the logging cadence (a collective:
+        every rank decides the same steps)."""
+        if not self.rt.distributed or not due(self.step, self.cfg.log.every_steps, self.cfg.train.max_steps):
+            return None
+        rows = self.rt.all_gather_floats([step_time, data_wait, float(mem)])
+        return RankSpread([r[0] for r in rows], [r[1] for r in rows], [int(r[2]) for r in rows])
 
     def decide(self, report: StepReport) -> Decision:
         """The one place where how a step went changes the course of the run.
@@ -242,6 +284,11 @@ class Trainer:
             f"{t.micro_batch_size} x {t.seq_len} x {dims.dp} dp) | {layout} | device {self.device}"
         )
         self._message(self.trainable)
+        if self.peak is None:
+            self.logger.warning(self.peak_note)
+            self._message(f"warning: {self.peak_note}")
+        else:
+            self.logger.info(self.peak_note)
         for note in self.notes:
             self.logger.warning(note)
             self._message(f"warning: {note}")
@@ -343,6 +390,8 @@ class Trainer:
 
     def close(self) -> None:
         self.checkpointer.close()
+        if self.layer_stats is not None:
+            self.layer_stats.close()
         self.train_loader.close()
         self.monitors.close()
         self.events.close()

@@ -1,0 +1,280 @@
+"""Per-layer statistics every `monitor.layer_stats_every` steps: where gradients, weights and
+activations are heading, block by block, before a loss curve shows anything.
+
+For each block ("embed", "layers.0", ..., "norm", "output") and each optimizer parameter group
+("decay", "no_decay"):
+- `grad_norm`: the L2 norm of the gradients before clipping (the block norms compose to the
+  step's reported `grad_norm`);
+- `param_norm`: the L2 norm of the weights before the update;
+- `update_ratio`: ||W_after - W_before|| / ||W_before||, the relative size of the step (AdamW
+  steps of ~1e-3 of the weight are healthy; 1e-1 is a model being rewritten);
+and, for blocks, statistics of the block's output over every token of the step (all micro-batches,
+all data-parallel ranks): `act_mean`, `act_std`, `act_max_abs`, `act_zero_frac`.
+
+Every value is global. A sharded parameter (FSDP's Shard(0), a tensor-parallel Shard) adds the
+squares of its local shard, summed over the mesh dimensions it is sharded on; replicated copies
+are counted once. Activations are summed over the data-parallel ranks and over the
+tensor-parallel ones, which each hold a slice of the sequence between blocks (sequence parallel,
+parallel/apply.py). Pipeline stages each measure their own blocks; rank 0 merges them.
+
+The hooks cost nothing on other steps: the forward hooks return at once unless armed, and the
+reductions run only on due steps.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+import time
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from trainbook.monitor.report import LayerReport
+from trainbook.parallel.runtime import Runtime
+
+_BLOCK = re.compile(r"(?:^|\.)(layers\.\d+)(?:\.|$)")
+_WRAPPERS = ("_orig_mod", "_checkpoint_wrapped_module", "_fsdp_wrapped_module", "module")
+
+
+def block_of(name: str) -> str:
+    """The block a parameter (or module) name belongs to, wrappers' name parts ignored."""
+    parts = [p for p in name.split(".") if p not in _WRAPPERS]
+    match = _BLOCK.search(".".join(parts))
+    if match:
+        return match.group(1)
+    if "tok_embeddings" in parts:
+        return "embed"
+    if "output" in parts:
+        return "output"
+    if "norm" in parts:
+        return "norm"
+    return parts[0] if parts else name
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+def _settled(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor with pending sums (a Partial gradient: tensor-parallel ranks each hold a share of
+    a replicated weight's gradient) summed into a replica; any other tensor as it is."""
+    placements = getattr(t, "placements", None)
+    if placements is None or not any(p.is_partial() for p in placements):
+        return t
+    from torch.distributed.tensor import Replicate
+
+    return t.redistribute(t.device_mesh, [Replicate() if p.is_partial() else p for p in placements])
+
+
+def _sharded_groups(t: torch.Tensor) -> tuple:
+    """The process groups a tensor's shards are spread over (none for a plain or replicated one)."""
+    placements = getattr(t, "placements", None)
+    if placements is None:
+        return ()
+    mesh = t.device_mesh
+    return tuple(mesh.get_group(d) for d, p in enumerate(placements) if p.is_shard() and mesh.size(d) > 1)
+
+
+def global_sums(tensors: list[torch.Tensor], values: list[torch.Tensor]) -> list[float]:
+    """`values[i]` is a local sum over `tensors[i]`'s shard; returns the sums over whole tensors.
+
+    Tensors sharded alike are reduced together (one all-reduce per mesh dimension per kind of
+    placement), in the order of first appearance, which every rank of a group shares.
+    """
+    out = [0.0] * len(values)
+    by_groups: dict[tuple, list[int]] = {}
+    for i, t in enumerate(tensors):
+        by_groups.setdefault(_sharded_groups(t), []).append(i)
+    for groups, idx in by_groups.items():
+        stacked = torch.stack([values[i] for i in idx])
+        for group in groups:
+            dist.all_reduce(stacked, group=group)
+        for i, v in zip(idx, stacked.tolist()):
+            out[i] = v
+    return out
+
+
+class _ActStats:
+    """Running sums of one block's output over a step: count, sum, sum of squares, max |x|, zeros."""
+
+    def __init__(self, device: torch.device, groups: tuple):
+        self.groups = groups
+        """The process groups the output is sharded over (sequence parallel), beside data parallel."""
+        self.sums = torch.zeros(4, dtype=torch.float64, device=device)  # count, sum, sumsq, zeros
+        self.max_abs = torch.zeros((), dtype=torch.float64, device=device)
+
+    def add(self, x: torch.Tensor) -> None:
+        x = _local(x).detach()
+        xd = x.double()
+        self.sums += torch.stack([
+            torch.tensor(x.numel(), dtype=torch.float64, device=x.device), xd.sum(),
+            xd.square().sum(), (x == 0).sum().double()])
+        self.max_abs = torch.maximum(self.max_abs, xd.abs().max())
+
+
+class LayerStats:
+    """Attach to a model (its blocks) and an optimizer; call `arm` at the start of a due step,
+    `observe_grads` before clipping, `before_update` before the optimizer step and `finish` after
+    it, on every rank (the reductions are collectives)."""
+
+    def __init__(self, model: nn.Module | list[nn.Module], optimizer: torch.optim.Optimizer, rt: Runtime,
+                 every: int, activations: bool = True, copies: tuple = (),
+                 training_forward: Callable[[], bool] = torch.is_grad_enabled):
+        """`copies`: parameters another rank holds and reports too (a pipeline's last-stage copy
+        of a tied embedding); they are left out, so nothing is counted twice.
+        `training_forward`: whether a forward running now is a training step's (the engine says)."""
+        self.training_forward = training_forward
+        self.rt = rt
+        self.every = every
+        modules = model if isinstance(model, list) else [model]
+        skip = {id(p) for p in copies}
+        self.named = [(n, p) for m in modules for n, p in m.named_parameters()
+                      if p.requires_grad and id(p) not in skip]
+        group_of = {}
+        for group in optimizer.param_groups:
+            name = "decay" if group.get("weight_decay", 0.0) > 0 else "no_decay"
+            for p in group["params"]:
+                group_of[id(p)] = name
+        self.group_of = [group_of.get(id(p), "frozen") for _, p in self.named]
+        self.block_of = [block_of(n) for n, _ in self.named]
+        self.armed = False
+        self.acts: dict[str, _ActStats] = {}
+        self.hooks = []
+        self.activations = activations
+        if activations:
+            for m in modules:
+                for name, module in m.named_modules():
+                    parts = [p for p in name.split(".") if p not in _WRAPPERS]
+                    if len(parts) >= 2 and parts[-2] == "layers" and parts[-1].isdigit():
+                        self.hooks.append(module.register_forward_hook(self._hook(f"layers.{parts[-1]}")))
+        self._grad_sq: list[float] | None = None
+        self._before: list[torch.Tensor] | None = None
+
+    def due(self, step: int) -> bool:
+        return self.every > 0 and step % self.every == 0
+
+    def _hook(self, block: str) -> Callable:
+        def hook(module, args, output):
+            # Training forwards only: not an evaluation, not a pipeline's shape inference.
+            if not self.armed or not self.training_forward():
+                return
+            out = _settled(output[0] if isinstance(output, tuple) else output)
+            if block not in self.acts:
+                self.acts[block] = _ActStats(_local(out).device, _sharded_groups(out))
+            self.acts[block].add(out)
+        return hook
+
+    def arm(self) -> None:
+        """The next forwards (this step's) feed the activation statistics."""
+        self.armed = True
+        self.acts = {}
+
+    def observe_grads(self) -> None:
+        """Gradients are final (reduced, unscaled) and not yet clipped: measure them."""
+        if not self.armed:
+            return
+        grads = [_settled(p.grad) if p.grad is not None else p for _, p in self.named]
+        local = [(_local(g).double().square().sum() if p.grad is not None
+                  else torch.zeros((), dtype=torch.float64, device=_local(p).device))
+                 for g, (_, p) in zip(grads, self.named)]
+        self._grad_sq = global_sums(grads, local)
+
+    def before_update(self) -> None:
+        """The weights as they are before the optimizer step (local shards)."""
+        if self.armed:
+            self._before = [_local(p).detach().clone() for _, p in self.named]
+
+    def finish(self, step: int) -> LayerReport | None:
+        """After the optimizer step: reduce everything; rank 0 gets the report, others None."""
+        if not self.armed:
+            return None
+        self.armed = False
+        params = [p for _, p in self.named]
+        if self._before is None:  # the step was skipped (fp16 overflow): weights unchanged
+            self._before = [_local(p).detach().clone() for p in params]
+        before, n = self._before, len(params)
+        sq = [b.double().square().sum() for b in before]
+        upd = [(_local(p).detach().double() - b.double()).square().sum() for p, b in zip(params, before)]
+        sums = global_sums(params + params, sq + upd)
+        grad_sq = self._grad_sq or [0.0] * n
+        self._grad_sq, self._before = None, None
+        rows = list(zip(grad_sq, sums[:n], sums[n:]))
+        coord = self.rt.dims.coordinate(self.rt.rank)
+        mine = {
+            "blocks": _sum_by(self.block_of, rows), "groups": _sum_by(self.group_of, rows),
+            "acts": self._activations(),
+            # One rank per pipeline stage speaks for it (the others hold the same global sums).
+            "speaks": coord["tp"] == 0 and self.rt.dp_rank == 0,
+        }
+        parts = [mine]
+        if self.rt.distributed:
+            parts = [None] * self.rt.world_size
+            dist.all_gather_object(parts, mine)
+        if not self.rt.is_main:
+            return None
+        blocks: dict[str, dict] = {}
+        groups: dict[str, list[float]] = {}
+        for part in parts:
+            if not part["speaks"]:
+                continue
+            for key, value in part["blocks"].items():
+                blocks.setdefault(key, {}).update(_norms(value))
+            for key, value in part["acts"].items():
+                blocks.setdefault(key, {}).update(value)
+            for key, value in part["groups"].items():  # a group spans stages: add them up
+                groups[key] = [a + b for a, b in zip(groups.get(key, [0.0, 0.0, 0.0]), value)]
+        return LayerReport(step=step, blocks=dict(sorted(blocks.items(), key=_block_order)),
+                           groups={k: _norms(v) for k, v in sorted(groups.items())}, time=time.time())
+
+    def _activations(self) -> dict:
+        if not self.acts:
+            return {}
+        names = sorted(self.acts)
+        sums = torch.stack([self.acts[b].sums for b in names])
+        max_abs = torch.stack([self.acts[b].max_abs for b in names])
+        if self.rt.distributed:
+            # Every block of a stage is sharded alike: a sequence-sharded DTensor names its groups;
+            # a local tensor between tensor-parallel blocks is a sequence slice too.
+            dims = ("dp_replicate", "dp_shard") + (() if self.acts[names[0]].groups else ("tp",))
+            groups = [self.rt.mesh[d].get_group() for d in dims if self.rt.dims.sizes()[d] > 1]
+            for group in list(self.acts[names[0]].groups) + groups:
+                dist.all_reduce(sums, group=group)
+                dist.all_reduce(max_abs, op=dist.ReduceOp.MAX, group=group)
+        out = {}
+        for b, (count, total, sq, zeros), m in zip(names, sums.tolist(), max_abs.tolist()):
+            mean = total / count
+            out[b] = {"act_mean": mean, "act_std": math.sqrt(max(sq / count - mean * mean, 0.0)),
+                      "act_max_abs": m, "act_zero_frac": zeros / count}
+        return out
+
+    def close(self) -> None:
+        for h in self.hooks:
+            h.remove()
+        self.hooks = []
+
+
+def _sum_by(keys: list[str], rows: list[tuple[float, float, float]]) -> dict[str, list[float]]:
+    """(grad², param², update²) summed per key."""
+    out: dict[str, list[float]] = {}
+    for key, row in zip(keys, rows):
+        acc = out.setdefault(key, [0.0, 0.0, 0.0])
+        for i, v in enumerate(row):
+            acc[i] += v
+    return out
+
+
+def _norms(sq: list[float]) -> dict[str, float]:
+    grad, param, update = (math.sqrt(v) for v in sq)
+    return {"grad_norm": grad, "param_norm": param, "update_ratio": update / param if param > 0 else 0.0}
+
+
+def _block_order(item: tuple[str, dict]) -> tuple:
+    name = item[0]
+    if name == "embed":
+        return (0, 0)
+    if name.startswith("layers."):
+        return (1, int(name.split(".")[1]))
+    return (2, name != "norm", name)

@@ -1,0 +1,139 @@
+"""Model FLOPs utilisation: the FLOPs a step needs against what the devices could do.
+
+    MFU = tokens/s x FLOPs per token / (devices x peak FLOP/s of one device)
+
+FLOPs per token follow PaLM (Chowdhery et al. 2022, appendix B): 6 N for the matrix multiplies of
+forward and backward, N the parameters that multiply (every projection and the output head; not
+the embedding lookup, not the norms), plus 12 L H Q T for attention's two matmuls (L layers, H
+heads, Q head size, T sequence length). Recomputation under activation checkpointing is not
+counted: MFU measures useful work, so turning checkpointing on lowers it.
+
+The peak of one device comes from its maker's datasheet (dense, no sparsity), chosen by the run's
+dtype; on CPU there is no datasheet figure to trust, so the peak is measured once by a matmul
+probe in the run's dtype. A device not in the table gives no peak (MFU `null`, one warning): a
+borrowed number would be worse than none.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+
+from trainbook.config import ModelConfig
+
+TFLOPS = 1e12
+
+
+@dataclass(frozen=True)
+class Peak:
+    """What one device can do in one dtype, and where the figure comes from."""
+
+    flops: float
+    """FLOP/s of one device."""
+    device: str
+    dtype: str
+    source: str
+
+
+# Dense tensor throughput per device (TFLOP/s): bf16/fp16, tf32 (fp32 matmuls when TF32 is
+# allowed) and plain fp32. Matched by substring of the device name, first match wins (so "H100
+# PCIe" before "H100"). None: no published figure for that dtype.
+DATASHEET: tuple[tuple[str, str, dict[str, float | None], str], ...] = (
+    ("H100 PCIe", "H100 PCIe", {"bf16": 756.0, "tf32": 378.0, "fp32": 51.0},
+     "NVIDIA H100 Tensor Core GPU datasheet (PCIe, dense)"),
+    ("H100 NVL", "H100 NVL", {"bf16": 835.0, "tf32": 418.0, "fp32": 60.0},
+     "NVIDIA H100 Tensor Core GPU datasheet (NVL, dense)"),
+    ("H100", "H100 SXM", {"bf16": 989.4, "tf32": 494.7, "fp32": 67.0},
+     "NVIDIA H100 Tensor Core GPU datasheet (SXM5, dense)"),
+    ("H200 NVL", "H200 NVL", {"bf16": 835.0, "tf32": 418.0, "fp32": 60.0},
+     "NVIDIA H200 Tensor Core GPU datasheet (NVL, dense)"),
+    ("H200", "H200 SXM", {"bf16": 989.4, "tf32": 494.7, "fp32": 67.0},
+     "NVIDIA H200 Tensor Core GPU datasheet (SXM, dense)"),
+    ("A100", "A100", {"bf16": 312.0, "tf32": 156.0, "fp32": 19.5},
+     "NVIDIA A100 Tensor Core GPU datasheet (dense)"),
+    ("B200", "B200", {"bf16": 2250.0, "tf32": 1100.0, "fp32": 75.0},
+     "NVIDIA HGX B200 specifications, per GPU (board figures / 8, dense)"),
+    ("L40S", "L40S", {"bf16": 362.05, "tf32": 183.0, "fp32": 91.6},
+     "NVIDIA L40S datasheet (dense)"),
+    ("910B", "Ascend 910B", {"bf16": 320.0, "tf32": None, "fp32": None},
+     "Huawei Ascend 910B, FP16/BF16 figure published for Atlas 800T A2; no FP32 matmul figure"),
+    ("910C", "Ascend 910C", {"bf16": 800.0, "tf32": None, "fp32": None},
+     "Huawei Ascend 910C, FP16 figure from Huawei Connect 2025; no FP32 matmul figure"),
+    ("910_93", "Ascend 910C", {"bf16": 800.0, "tf32": None, "fp32": None},
+     "Huawei Ascend 910C (device name Ascend910_93xx), FP16 figure from Huawei Connect 2025"),
+)
+
+
+def model_flops_per_token(m: ModelConfig, seq_len: int) -> float:
+    """PaLM's 6 N + 12 L H Q T for a resolved Llama config (every field set)."""
+    head_dim = m.dim // m.n_heads
+    kv_dim = m.n_kv_heads * head_dim
+    per_layer = 2 * m.dim * m.dim + 2 * m.dim * kv_dim + 3 * m.dim * m.ffn_dim
+    matmul_params = m.n_layers * per_layer + m.dim * m.vocab_size  # + the output head
+    return 6.0 * matmul_params + 12.0 * m.n_layers * m.n_heads * head_dim * seq_len
+
+
+def _datasheet_dtype(dtype: str) -> str:
+    if dtype in ("bf16", "fp16"):
+        return "bf16"
+    # fp32 matmuls run on tensor cores only when TF32 is allowed ("high"/"medium").
+    return "fp32" if torch.get_float32_matmul_precision() == "highest" else "tf32"
+
+
+def published_peak(device_name: str, dtype: str) -> Peak | None:
+    """The datasheet peak of a device by its name (e.g. "NVIDIA H100 80GB HBM3"); None if unknown."""
+    key = _datasheet_dtype(dtype)
+    for match, name, figures, source in DATASHEET:
+        if match.lower() in device_name.lower():
+            flops = figures.get(key)
+            return Peak(flops * TFLOPS, name, key, source) if flops else None
+    return None
+
+
+def measure_matmul_peak(device: torch.device, dtype: str, seconds: float = 0.5, n: int = 1024) -> Peak:
+    """The best square-matmul throughput of this process on `device` (one warm-up, then repeated
+    timings for about `seconds`): the CPU's practical peak with the threads this run uses."""
+    torch_dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[dtype]
+    a = torch.randn(n, n, device=device).to(torch_dtype)
+    b = torch.randn(n, n, device=device).to(torch_dtype)
+    torch.mm(a, b)
+    best, deadline = float("inf"), time.perf_counter() + seconds
+    while True:
+        start = time.perf_counter()
+        torch.mm(a, b)
+        if device.type != "cpu":
+            getattr(torch, device.type).synchronize(device)
+        best = min(best, time.perf_counter() - start)
+        if time.perf_counter() > deadline:
+            break
+    return Peak(2.0 * n**3 / best, f"cpu ({torch.get_num_threads()} threads)", dtype,
+                f"measured: best {n}x{n} matmul in {dtype} at the start of the run")
+
+
+def device_name(device: torch.device) -> str:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    if device.type == "npu":
+        return torch.npu.get_device_name(device)
+    return "cpu"
+
+
+def device_peak(device: torch.device, dtype: str) -> tuple[Peak | None, str]:
+    """The peak MFU is measured against, and a note: what it is, or why there is none."""
+    if device.type == "cpu":
+        peak = measure_matmul_peak(device, dtype)
+        return peak, f"MFU peak: {peak.flops / TFLOPS:.3g} TFLOP/s per rank ({peak.source})"
+    name = device_name(device)
+    peak = published_peak(name, dtype)
+    if peak is None:
+        return None, (f"no published {dtype} peak for device {name!r}: MFU is not computed "
+                      "(metrics.jsonl writes null)")
+    return peak, f"MFU peak: {peak.flops / TFLOPS:.4g} TFLOP/s per device ({peak.device} {peak.dtype}; {peak.source})"
+
+
+def mfu(tokens_per_s: float, flops_per_token: float, peak: Peak | None, devices: int) -> float | None:
+    if peak is None:
+        return None
+    return tokens_per_s * flops_per_token / (devices * peak.flops)
