@@ -187,16 +187,15 @@ def _layers(run: RunRecord) -> str:
 
 
 def _events_timeline(run: RunRecord) -> str:
-    """Every event but the start, by kind on its own row; hover for the details."""
-    events = [e for e in run.events if e.get("kind") not in ("start",) and isinstance(e.get("step"), int)]
+    """Every event on one row per kind over the run's steps; hover a mark for its details."""
+    events = [e for e in run.events if isinstance(e.get("step"), int) and isinstance(e.get("kind"), str)]
     kinds = sorted({e["kind"] for e in events})
-    series = [Series(k, [(e["step"], float(row)) for e in events if e["kind"] == k],
-                     EVENT_COLOURS.get(k, PALETTE[i % len(PALETTE)]), dots=True) for i, (row, k) in enumerate(
-                         (len(kinds) - j, k) for j, k in enumerate(kinds))]
-    markers = [Marker(e["step"], e["kind"], _describe(e)) for e in events]
-    return line_chart(Chart("chart-events", "Events over steps (one row per kind, top to bottom: "
-                            + ", ".join(kinds) + ")" if kinds else "Events over steps", "step", "kind (row)",
-                            series, markers))
+    rows = {k: float(len(kinds) - i) for i, k in enumerate(kinds)}  # first kind on top
+    series = [Series(k, [(e["step"], rows[k]) for e in events if e["kind"] == k],
+                     EVENT_COLOURS.get(k, PALETTE[i % len(PALETTE)]), dots=True) for i, k in enumerate(kinds)]
+    markers = [Marker(e["step"], e["kind"], _describe(e)) for e in events if e["kind"] in MARKED_EVENTS]
+    return line_chart(Chart("chart-events", "Events", "step", "event", series, markers,
+                            y_names={row: k for k, row in rows.items()}, x_extent=(0, max(run.steps, 1))))
 
 
 def _events_table(run: RunRecord) -> str:

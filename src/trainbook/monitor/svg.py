@@ -53,6 +53,10 @@ class Chart:
     y2_label: str = ""
     note: str = ""
     """Shown under the title (e.g. why a series is missing)."""
+    y_names: dict[float, str] = field(default_factory=dict)
+    """Named rows instead of numeric y ticks (an event timeline: one row per kind)."""
+    x_extent: tuple[float, float] | None = None
+    """The x range to show at least (a timeline spans the whole run, not only its events)."""
 
 
 def colour_series(series: list[Series]) -> list[Series]:
@@ -68,9 +72,12 @@ def line_chart(chart: Chart) -> str:
         s.points = _finite(s.points)
     left = [s for s in drawn if not s.right]
     right = [s for s in drawn if s.right]
-    xs = [x for s in drawn for x, _ in s.points] + [m.x for m in chart.markers]
+    xs = [x for s in drawn for x, _ in s.points] + [m.x for m in chart.markers] + list(chart.x_extent or ())
     x_scale = _Scale(xs, LEFT, WIDTH - RIGHT)
-    y_left = _Scale([y for s in left for _, y in s.points], HEIGHT - BOTTOM, TOP)
+    y_left = _Scale([y for s in left for _, y in s.points] + [y + d for y in chart.y_names for d in (-0.5, 0.5)],
+                    HEIGHT - BOTTOM, TOP)
+    if chart.y_names:
+        y_left.ticks = sorted(chart.y_names)
     y_right = _Scale([y for s in right for _, y in s.points], HEIGHT - BOTTOM, TOP)
     body = [_frame(chart, x_scale, y_left, y_right if right else None)]
     for m in chart.markers:
@@ -217,8 +224,9 @@ def _frame(chart: Chart, x: _Scale, y: _Scale, y2: _Scale | None) -> str:
     for t in y.ticks:
         py = y(t)
         if TOP - 0.5 <= py <= HEIGHT - BOTTOM + 0.5:
+            name = chart.y_names.get(t, _fmt(t))
             parts.append(f'<line x1="{LEFT}" x2="{WIDTH - RIGHT}" y1="{py:.1f}" y2="{py:.1f}" stroke="#eee"/>'
-                         f'<text x="{LEFT - 6}" y="{py + 4:.1f}" text-anchor="end" class="tick">{_fmt(t)}</text>')
+                         f'<text x="{LEFT - 6}" y="{py + 4:.1f}" text-anchor="end" class="tick">{escape(name)}</text>')
     if y2 is not None:
         for t in y2.ticks:
             py = y2(t)
@@ -237,7 +245,7 @@ def _svg(chart: Chart, n_series: int, body: list[str], drawn: list[Series]) -> s
     legend = "".join(
         f'<span class="key"><span class="swatch" style="background:{s.colour}"></span>{escape(s.name)}</span>'
         for s in drawn)
-    kinds = sorted({m.kind for m in chart.markers})
+    kinds = sorted({m.kind for m in chart.markers} - {s.name for s in drawn})
     legend += "".join(
         f'<span class="key"><span class="swatch event-swatch" style="border-color:{EVENT_COLOURS.get(k, "#555")}">'
         f'</span>{escape(k)}</span>' for k in kinds)
