@@ -94,10 +94,12 @@ def line_chart(chart: Chart) -> str:
                         f'fill="{s.colour}"><title>{escape(s.name)}</title></path>')
             continue
         d = "M" + " L".join(f"{x:.1f},{y:.1f}" for x, y in points)
+        if len(points) == 1:  # one point has no line: a short tick through it, and a dot (below)
+            d = f"M{points[0][0] - 4:.1f},{points[0][1]:.1f} h8"
         dash = ' stroke-dasharray="6 4"' if s.dashed else ""
         body.append(f'<path class="series" data-name="{escape(s.name)}" data-points="{len(points)}" d="{d}" '
                     f'fill="none" stroke="{s.colour}" stroke-width="2"{dash}><title>{escape(s.name)}</title></path>')
-        if len(points) == 1:  # a single point has no line: show it as a dot
+        if len(points) == 1:
             body.append(f'<circle cx="{points[0][0]:.1f}" cy="{points[0][1]:.1f}" r="3" fill="{s.colour}"/>')
     return _svg(chart, len(drawn), body, drawn)
 
