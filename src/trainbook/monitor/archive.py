@@ -32,7 +32,6 @@ from pathlib import Path
 from trainbook.errors import TrainbookError
 
 RUN_MARKER = "config.resolved.toml"
-STATUSES = ("running", "finished", "stopped", "failed", "died", "unknown")
 
 
 @dataclass
