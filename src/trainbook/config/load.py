@@ -27,7 +27,7 @@ def load_config(path: str | Path, overrides: list[str] = ()) -> Config:
     path = Path(path)
     tree, origins = _read_recipe(path, chain=())
     for item in overrides:
-        key, value = _parse_override(item)
+        key, value = parse_override(item)
         _set(tree, key, value)
         origins.pop(key, None)  # re-insert: the newest origin of a key is the last one
         origins[key] = COMMAND_LINE
@@ -97,8 +97,9 @@ def _leaf_keys(tree: dict, prefix: str = "") -> list[str]:
 # ---- command-line overrides ----------------------------------------------------------------
 
 
-def _parse_override(item: str) -> tuple[str, Any]:
-    """`train.max_steps=20` -> ("train.max_steps", 20), parsed to the field's type."""
+def parse_override(item: str) -> tuple[str, Any]:
+    """`train.max_steps=20` -> ("train.max_steps", 20), parsed to the field's type (`trainbook runs
+    --where` reads its filters the same way)."""
     key, sep, text = item.partition("=")
     key = key.strip()
     if not sep or not key:

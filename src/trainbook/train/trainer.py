@@ -9,8 +9,10 @@ import contextlib
 import enum
 import hashlib
 import logging
+import os
 import random
 import signal
+import socket
 import threading
 import time
 from collections.abc import Iterator
@@ -25,6 +27,7 @@ from trainbook.config import Config, dump_toml
 from trainbook.data import Prepared, TrainLoader, val_batches
 from trainbook.diagnose.layers import LayerStats
 from trainbook.diagnose.timeouts import explain_timeout
+from trainbook.errors import one_line
 from trainbook.faults import fault_point
 from trainbook.model import build_model, num_params
 from trainbook.model.surgery import freeze, reinit, resize_vocab, trainable_summary
@@ -186,23 +189,29 @@ class Trainer:
         t = self.cfg.train
         self._announce()
         batches = iter(self.train_loader)
-        last_eval = self._evaluate() if self.val_batches and self.step == 0 else None
-        report = None
-        with self._signals_stop_the_loop():
-            while self.step < t.max_steps:
-                report = self.advance(batches)
-                if self.val_batches and (self.step % t.eval_every == 0 or self.step == t.max_steps):
-                    last_eval = self._evaluate()
-                decision = self.decide(report)
-                if decision is Decision.STOP or self.checkpointer.due(self.step, t.max_steps):
-                    self._save_checkpoint()
-                if decision is Decision.STOP:
-                    self._on_stop()
-                    break
-                fault_point("train.after_step", self.step)
-            self.tracker.enter(Phase.CHECKPOINT)
-            self.checkpointer.wait()  # an async save still in flight is part of the run
-            self.tracker.enter(Phase.IDLE)
+        report, decision = None, Decision.CONTINUE
+        try:
+            last_eval = self._evaluate() if self.val_batches and self.step == 0 else None
+            with self._signals_stop_the_loop():
+                while self.step < t.max_steps:
+                    report = self.advance(batches)
+                    if self.val_batches and (self.step % t.eval_every == 0 or self.step == t.max_steps):
+                        last_eval = self._evaluate()
+                    decision = self.decide(report)
+                    if decision is Decision.STOP or self.checkpointer.due(self.step, t.max_steps):
+                        self._save_checkpoint()
+                    if decision is Decision.STOP:
+                        self._on_stop()
+                        break
+                    fault_point("train.after_step", self.step)
+                self.tracker.enter(Phase.CHECKPOINT)
+                self.checkpointer.wait()  # an async save still in flight is part of the run
+                self.tracker.enter(Phase.IDLE)
+        except BaseException as e:
+            # The end marker `trainbook runs` reads; a SIGKILL leaves none (see monitor/archive.py).
+            self.events.emit("end", self.step, status="failed", error=f"{type(e).__name__}: {one_line(e)}")
+            raise
+        self.events.emit("end", self.step, status="stopped" if decision is Decision.STOP else "finished")
         return {"step": self.step, "tokens": self.tokens, "loss": report.loss if report else None,
                 "val_loss": last_eval, "run_dir": str(self.run_dir),
                 "stopped_by": signal.Signals(self.stop_signal).name if self.stop_signal else None}
@@ -293,7 +302,7 @@ class Trainer:
             self.logger.warning(note)
             self._message(f"warning: {note}")
         if self.step == 0:
-            self.events.emit("start", self.step, tokens_per_step=tokens_per_step)
+            self.events.emit("start", self.step, tokens_per_step=tokens_per_step, **_process())
 
     def _evaluate(self) -> float:
         val_loss = evaluate(self.engine, self.val_batches, self.tracker)
@@ -355,7 +364,7 @@ class Trainer:
             self.events.emit("checkpoint_invalid", self.step, path=str(bad), reason=why)
         for key, (old, new) in facts.get("changed", {}).items():
             self.logger.warning(f"config changed since the checkpoint: {key} = {old!r} -> {new!r}")
-        self.events.emit("resume", self.step, path=str(path), tokens=self.tokens, **{
+        self.events.emit("resume", self.step, path=str(path), tokens=self.tokens, **_process(), **{
             k: v for k, v in facts.items() if k != "skipped"})
         self._message(f"resumed from {path} at step {self.step}")
 
@@ -396,6 +405,11 @@ class Trainer:
         self.monitors.close()
         self.events.close()
         close_run_logger(self.logger)
+
+
+def _process() -> dict:
+    """Which process writes this attempt of the run: `trainbook runs` tells a live run by it."""
+    return {"pid": os.getpid(), "host": socket.gethostname()}
 
 
 class NoEvents:

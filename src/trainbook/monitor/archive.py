@@ -1,0 +1,238 @@
+"""A run directory read back: resolved config, env, metrics, events, layer statistics, status.
+
+What `report`, `compare` and `runs` know about a run comes only from its files (DESIGN.md, "Run
+directory"). Files written by a run that is still going, or that died mid-line, are read
+leniently: a line that is not JSON is skipped, a missing optional file is an empty list.
+
+How the status is decided (the last attempt is the one after the last `start` or `resume` event):
+
+- `finished`, `stopped`, `failed`: the trainer's end marker, an `end` event with that status,
+  written when `fit` returns or raises (the error is in its `error` field);
+- `running`: no end marker, and the attempt's process (the `pid` and `host` of its `start` or
+  `resume` event) is alive on this host and is a trainbook process;
+- `unknown`: no end marker and the attempt ran on another host: it may be running there;
+- `died`: no end marker and no such process: killed by SIGKILL or the OOM killer, or the machine
+  went down. Nothing in the files can tell these apart.
+
+Runs written before end markers existed fall back on what they did leave: a `stopped` event is
+`stopped`, a final checkpoint at `train.max_steps` is `finished`, anything else `unknown` (such
+a run recorded no process id either, so a live one cannot be told from a dead one).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import statistics
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from trainbook.errors import TrainbookError
+
+RUN_MARKER = "config.resolved.toml"
+
+
+@dataclass
+class RunRecord:
+    path: Path
+    config: dict
+    """config.resolved.toml as a tree."""
+    env: dict = field(default_factory=dict)
+    train: list[dict] = field(default_factory=list)
+    """metrics.jsonl train lines, by step."""
+    evals: list[dict] = field(default_factory=list)
+    events: list[dict] = field(default_factory=list)
+    layers: list[dict] = field(default_factory=list)
+    checkpoints: list[str] = field(default_factory=list)
+    status: str = "unknown"
+    status_detail: str = ""
+
+    @property
+    def name(self) -> str:
+        return str(self.config.get("run", {}).get("name") or self.path.name)
+
+    @property
+    def max_steps(self) -> int | None:
+        return self.config.get("train", {}).get("max_steps")
+
+    @property
+    def started(self) -> float | None:
+        """When the run started: its first event, else env.json's capture time."""
+        times = [e["time"] for e in self.events if isinstance(e.get("time"), (int, float))]
+        return times[0] if times else self.env.get("time")
+
+    @property
+    def steps(self) -> int:
+        """The last step the files know of: a train line, or an event (a checkpoint, the end)."""
+        known = [r["step"] for r in self.train] + [e.get("step", 0) for e in self.events if e.get("kind") != "alert"]
+        return max((s for s in known if isinstance(s, int)), default=0)
+
+    @property
+    def final_loss(self) -> float | None:
+        return self.train[-1].get("loss") if self.train else None
+
+    @property
+    def final_val_loss(self) -> float | None:
+        return self.evals[-1].get("val_loss") if self.evals else None
+
+    @property
+    def tokens_per_s(self) -> float | None:
+        """The median over logged steps: the first steps (warm-up, compilation) do not dominate."""
+        values = [r["tokens_per_s"] for r in self.train if isinstance(r.get("tokens_per_s"), (int, float))]
+        return statistics.median(values) if values else None
+
+    @property
+    def tokens_per_step(self) -> float | None:
+        for r in reversed(self.train):
+            if r.get("step") and isinstance(r.get("tokens"), (int, float)):
+                return r["tokens"] / r["step"]
+        starts = [e["tokens_per_step"] for e in self.events if e.get("kind") == "start" and "tokens_per_step" in e]
+        return starts[-1] if starts else None
+
+    def config_value(self, dotted: str):
+        """The resolved value of `optim.lr`-style keys; None when the run's config has no such key."""
+        node = self.config
+        for part in dotted.split("."):
+            if not isinstance(node, dict) or part not in node:
+                return None
+            node = node[part]
+        return node
+
+
+def flat_config(tree: dict, prefix: str = "") -> dict:
+    """{"optim": {"lr": 1e-3}} -> {"optim.lr": 1e-3}; lists (data.sources) stay whole values."""
+    out = {}
+    for key, value in tree.items():
+        dotted = f"{prefix}{key}"
+        if isinstance(value, dict):
+            out.update(flat_config(value, dotted + "."))
+        else:
+            out[dotted] = value
+    return out
+
+
+def is_run_dir(path: Path) -> bool:
+    return (path / RUN_MARKER).is_file()
+
+
+def load_run(path: str | Path, *, need_metrics: bool = True) -> RunRecord:
+    """Read a run directory; a path that is not one (or lacks metrics.jsonl when `need_metrics`)
+    is a user error naming it."""
+    path = Path(path)
+    if not path.is_dir():
+        raise TrainbookError("no such run directory", where=str(path))
+    if not is_run_dir(path):
+        raise TrainbookError(f"not a run directory (no {RUN_MARKER})", where=str(path))
+    if need_metrics and not (path / "metrics.jsonl").is_file():
+        raise TrainbookError("missing file: the run has no metrics to show", where=str(path / "metrics.jsonl"))
+    try:
+        config = tomllib.loads((path / RUN_MARKER).read_text(encoding="utf-8"))
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
+        raise TrainbookError(f"not valid TOML: {e}", where=str(path / RUN_MARKER)) from None
+    metrics = read_jsonl(path / "metrics.jsonl")
+    run = RunRecord(
+        path=path, config=config, env=_read_json(path / "env.json"),
+        train=_by_step([m for m in metrics if m.get("kind") == "train"]),
+        evals=_by_step([m for m in metrics if m.get("kind") == "eval"]),
+        events=read_jsonl(path / "events.jsonl"), layers=_by_step(read_jsonl(path / "layers.jsonl")),
+        checkpoints=_checkpoints(path / "checkpoints"),
+    )
+    run.status, run.status_detail = run_status(run)
+    return run
+
+
+def find_runs(root: Path) -> list[Path]:
+    """Every run directory under `root` (a run's own subdirectories are not searched)."""
+    found = []
+    for dirpath, dirnames, _ in os.walk(root):
+        here = Path(dirpath)
+        if is_run_dir(here):
+            found.append(here)
+            dirnames.clear()
+        else:
+            dirnames.sort()
+    return sorted(found)
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    """The objects of a JSON-lines file; a line cut short by a crash (or any non-object) is skipped."""
+    if not path.is_file():
+        return []
+    out = []
+    for line in path.read_text(encoding="utf-8", errors="replace").splitlines():
+        try:
+            record = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(record, dict):
+            out.append(record)
+    return out
+
+
+def _read_json(path: Path) -> dict:
+    try:
+        value = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return {}
+    return value if isinstance(value, dict) else {}
+
+
+def _by_step(records: list[dict]) -> list[dict]:
+    """Records with an integer step, in step order; a step written twice keeps its last line."""
+    by_step = {r["step"]: r for r in records if isinstance(r.get("step"), int)}
+    return [by_step[s] for s in sorted(by_step)]
+
+
+def _checkpoints(folder: Path) -> list[str]:
+    if not folder.is_dir():
+        return []
+    return sorted((p.name for p in folder.glob("step-*") if p.is_dir()), key=lambda n: int(n[5:]) if n[5:].isdigit() else -1)
+
+
+# ---- status ---------------------------------------------------------------------------------
+
+
+def run_status(run: RunRecord) -> tuple[str, str]:
+    """(status, detail): see the module docstring for how each is decided."""
+    starts = [i for i, e in enumerate(run.events) if e.get("kind") in ("start", "resume")]
+    attempt = run.events[starts[-1]:] if starts else run.events
+    ends = [e for e in attempt if e.get("kind") == "end"]
+    if ends:
+        end = ends[-1]
+        status = end.get("status") if end.get("status") in ("finished", "stopped", "failed") else "unknown"
+        detail = end.get("error") or (f"at step {end.get('step')}" if "step" in end else "")
+        return status, str(detail)
+    opened = run.events[starts[-1]] if starts else {}
+    pid, host = opened.get("pid"), opened.get("host")
+    if isinstance(pid, int) and host:
+        if host != socket.gethostname():
+            return "unknown", f"no end marker; ran on host {host}"
+        if _trainbook_alive(pid):
+            return "running", f"pid {pid}"
+    stopped = [e for e in attempt if e.get("kind") == "stopped"]
+    if stopped:
+        return "stopped", f"by {stopped[-1].get('signal', 'a signal')} at step {stopped[-1].get('step')}"
+    if run.max_steps and f"step-{run.max_steps}" in run.checkpoints:
+        return "finished", "final checkpoint present (no end marker)"
+    if not (isinstance(pid, int) and host):
+        return "unknown", "no end marker and no process id (written before either existed)"
+    return "died", "no end marker and no live process (killed, or the machine went down)"
+
+
+def _trainbook_alive(pid: int) -> bool:
+    """A live process with this pid that runs trainbook (a pid reused by another program is not)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        pass  # alive, another user's
+    cmdline = Path(f"/proc/{pid}/cmdline")
+    if not cmdline.exists():
+        return True  # no /proc to ask: trust the pid
+    try:
+        return b"trainbook" in cmdline.read_bytes()
+    except OSError:
+        return False
