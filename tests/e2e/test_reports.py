@@ -44,7 +44,8 @@ def archive(tmp_path_factory):
     procs = {
         "lr-high": _train(recipe, runs["lr-high"], "optim.lr=0.004"),
         "lr-low": _train(recipe, runs["lr-low"], "optim.lr=0.001"),
-        "failed": _train(recipe, runs["failed"], env={"TRAINBOOK_FAULT": "train.after_step@2",
+        "failed": _train(recipe, runs["failed"], "monitor.layer_stats_every=1",
+                         env={"TRAINBOOK_FAULT": "train.after_step@2",
                                                         "TRAINBOOK_FAULT_ACTION": "raise"}),
         "died": _train(recipe, runs["died"], env={"TRAINBOOK_FAULT": "train.after_step@2"}),
     }
@@ -244,8 +245,9 @@ def test_report_in_a_browser(archive, tmp_path):
     assert done.stdout.strip() == str(page_file)
     seen = render(page_file, tmp_path / "report.png")
     charts = _assert_clean_and_drawn(seen, page_file, tmp_path / "report.png")
-    expected = {"chart-loss": 2, "chart-lr": 1, "chart-grad-norm": 1, "chart-throughput": 1, "chart-phases": 4,
-                "chart-memory": 1, "chart-events": 3}  # events: start, checkpoint (steps 3 and 6), end
+    expected = {"chart-loss": 2, "chart-lr": 1, "chart-grad-norm": 1, "chart-throughput": 2, "chart-phases": 4,
+                "chart-memory": 1, "chart-events": 3}  # throughput: tokens/s and MFU; events: start,
+    # checkpoint (steps 3 and 6), end
     assert {k: len(c["series"]) for k, c in charts.items()} == expected
     assert {s["name"] for s in charts["chart-loss"]["series"]} == {"train loss", "val loss"}
     assert charts["chart-loss"]["series"][0]["points"] == STEPS // 2  # log.every_steps = 2
@@ -253,16 +255,11 @@ def test_report_in_a_browser(archive, tmp_path):
 
 
 def test_report_with_layer_statistics_and_a_failed_run(archive, tmp_path):
-    """layers.jsonl as DESIGN.md lays it out (this run's own blocks; the values are made up here)."""
+    """The failed run measured its layers every step (layers.jsonl, written by the run itself)."""
     tmp, _, runs, _ = archive
-    run = tmp_path / "run"
-    shutil.copytree(runs["failed"], run)
-    blocks = ["embed", "layers.0", "layers.1", "norm", "output"]
-    stats = lambda i, s: {"grad_norm": 0.1 * (i + 1) * s, "param_norm": 3.0, "update_ratio": 1e-3 * s,
-                          "act_mean": 0.0, "act_std": 1.0 + i, "act_max_abs": 4.0, "act_zero_frac": 0.0}
-    (run / "layers.jsonl").write_text("".join(
-        json.dumps({"step": s, "time": 0.0, "blocks": {b: stats(i, s) for i, b in enumerate(blocks)},
-                    "groups": {"decay": {"grad_norm": 1.0}}}) + "\n" for s in (1, 2)))
+    run = runs["failed"]
+    records = [json.loads(line) for line in (run / "layers.jsonl").read_text().splitlines()]
+    blocks = records[0]["blocks"]
     out = tmp_path / "failed.html"
     done = run_cli("report", str(run), "--out", str(out), cwd=tmp_path)
     assert done.returncode == 0, done.stderr
@@ -270,7 +267,7 @@ def test_report_with_layer_statistics_and_a_failed_run(archive, tmp_path):
     charts = _assert_clean_and_drawn(seen, out, tmp_path / "failed.png")
     heatmaps = {k: c for k, c in charts.items() if k.startswith("heatmap-")}
     assert set(heatmaps) == {"heatmap-grad-norm", "heatmap-update-ratio", "heatmap-act-std", "heatmap-act-max-abs"}
-    assert all(c["cells"] == len(blocks) * 2 for c in heatmaps.values())
+    assert all(c["cells"] == len(blocks) * len(records) for c in heatmaps.values())
     assert seen["no_layers_note"] == 0
     assert "status-failed" in out.read_text() and "fault injected" in out.read_text()
 
