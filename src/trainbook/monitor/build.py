@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from trainbook.config import AlertsConfig, LogConfig, MonitorConfig
+from trainbook.monitor.external import external_sinks
 from trainbook.monitor.sinks import AlertEvents, EventLog, LogLines, MetricsFile, Monitors, console_monitor
 from trainbook.phase import PhaseTracker
 
@@ -39,4 +40,6 @@ def build_monitors(info: RunInfo, log: LogConfig, monitor: MonitorConfig, alerts
         AlertEvents(events),
     ])
     monitors.add(console_monitor(log.progress, log.every_steps, info.max_steps))
+    for sink in external_sinks(info, log, monitor):
+        monitors.add(sink)
     return monitors
