@@ -9,7 +9,6 @@ import json
 import os
 import signal
 import socket
-import struct
 import subprocess
 import sys
 import time
@@ -19,6 +18,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import files_under, run_cli, run_cli_error, write_corpus, write_recipe
+from tests.wandb_log import wandb_history
 
 pytestmark = pytest.mark.slow
 
@@ -74,40 +74,10 @@ def test_tensorboard_holds_the_metrics(tracked_run):
         assert got == by_step, tag
 
 
-def _wandb_records(path: Path):
-    """The protobuf records of a W&B transaction log (`run-<id>.wandb`): a 7-byte W&B header, then
-    LevelDB-log chunks (crc32c, length, type: 1 full, 2 first, 3 middle, 4 last) in 32 KiB blocks."""
-    from wandb.proto import wandb_internal_pb2
-
-    data, block = path.read_bytes(), 32768
-    assert data[:4] == b":W&B", data[:7]
-    pos, parts = 7, []
-    while pos + 7 <= len(data):
-        if block - pos % block < 7:  # a block's tail too short for a header is padding
-            pos += block - pos % block
-            continue
-        _crc, length, kind = struct.unpack("<IHB", data[pos:pos + 7])
-        if kind == 0:  # zero padding up to the end of the block
-            pos += block - pos % block
-            continue
-        parts.append(data[pos + 7:pos + 7 + length])
-        pos += 7 + length
-        if kind in (1, 4):
-            record = wandb_internal_pb2.Record()
-            record.ParseFromString(b"".join(parts))
-            parts = []
-            yield record
-
-
 def test_wandb_offline_run_holds_the_metrics(tracked_run):
     run_dir, expected = tracked_run
     [log] = (run_dir / "wandb").glob("offline-run-*/run-*.wandb")
-    got: dict[str, dict[int, float]] = {}
-    for record in _wandb_records(log):
-        if record.WhichOneof("record_type") == "history":
-            for item in record.history.item:
-                key = item.key or "/".join(item.nested_key)  # the writer fills one or the other
-                got.setdefault(key, {})[record.history.step.num] = json.loads(item.value_json)
+    got = wandb_history(log)
     for tag, by_step in expected.items():
         assert got[tag] == by_step, tag
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 import hashlib
 import importlib.util
 import os
+from collections import Counter
 from pathlib import Path
 
 from trainbook.errors import TrainbookError
@@ -43,11 +44,13 @@ def tracker_run_id(run_dir: Path) -> str:
 
 
 class TrackerSink(Sink):
-    """Scalars at the logging cadence, evaluations and layer statistics, as `log(values, step, time)`."""
+    """Scalars at the logging cadence, evaluations, layer statistics and the count of each alert
+    rule's firings (`alerts/<rule>`), as `log(values, step, time)`."""
 
     def __init__(self, every_steps: int, max_steps: int):
         self.every_steps = every_steps
         self.max_steps = max_steps
+        self._alerts: Counter[str] = Counter()
 
     def log(self, values: dict[str, float], step: int, time: float) -> None:
         raise NotImplementedError
@@ -62,6 +65,10 @@ class TrackerSink(Sink):
     def on_layers(self, report: LayerReport) -> None:
         self.log(layer_scalars(report), report.step, report.time)
 
+    def on_alert(self, alert: Alert) -> None:
+        self._alerts[alert.rule] += 1
+        self.log({f"alerts/{alert.rule}": float(self._alerts[alert.rule])}, alert.step, alert.time)
+
 
 class WandbSink(TrackerSink):
     def __init__(self, run_dir: Path, project: str, name: str, every_steps: int, max_steps: int):
@@ -74,13 +81,13 @@ class WandbSink(TrackerSink):
             project=project, name=name, id=tracker_run_id(run_dir), resume="allow", dir=str(run_dir),
             mode=mode, settings=wandb.Settings(console="off", silent=True),
         )
+        self._step = 0
 
     def log(self, values: dict[str, float], step: int, time: float) -> None:
-        # W&B merges calls with the same step into one row (a train step and its evaluation).
-        self._run.log(values, step=step)
-
-    def on_alert(self, alert: Alert) -> None:
-        self._run.log({f"alerts/{alert.rule}": alert.value if alert.value is not None else 1.0}, step=alert.step)
+        # W&B merges calls with the same step into one row (a train step and its evaluation) and
+        # drops a step below the last one: an alert about an earlier step goes in the current row.
+        self._step = max(step, self._step)
+        self._run.log(values, step=self._step)
 
     def close(self) -> None:
         self._run.finish()
@@ -118,6 +125,7 @@ class MlflowSink(TrackerSink):
         self._client.log_batch(self._run_id, metrics=[Metric(k, v, ms, step) for k, v in values.items()])
 
     def on_alert(self, alert: Alert) -> None:
+        super().on_alert(alert)
         self._client.set_tag(self._run_id, f"alert.{alert.rule}", f"step {alert.step}: {alert.message}")
 
     def close(self) -> None:

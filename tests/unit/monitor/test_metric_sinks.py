@@ -116,7 +116,7 @@ def test_check_endpoint_names_the_key():
             check_endpoint("127.0.0.1", port)
     assert e.value.where == "monitor.prometheus_port"
     with pytest.raises(TrainbookError) as e:
-        check_endpoint("no-such-host.invalid", 9400)
+        check_endpoint("192.0.2.1", 9400)  # TEST-NET-1: never this machine's
     assert e.value.where == "monitor.prometheus_host"
 
 
