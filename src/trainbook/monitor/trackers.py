@@ -99,15 +99,17 @@ class MlflowSink(TrackerSink):
         from mlflow.tracking import MlflowClient
 
         super().__init__(every_steps, max_steps)
-        store = run_dir / "mlruns"
+        artifacts = None  # a tracking server's own choice
         if tracking_uri is None:
+            store = run_dir / "mlruns"
             store.mkdir(exist_ok=True)
             tracking_uri = f"sqlite:///{(store / 'mlflow.db').resolve()}"
+            artifacts = (store / "artifacts").resolve().as_uri()  # else ./mlartifacts, outside the run
         # An explicit client, not mlflow's process-wide active run.
         self._client = client = MlflowClient(tracking_uri=tracking_uri)
         found = client.get_experiment_by_name(experiment)
         experiment_id = found.experiment_id if found else client.create_experiment(
-            experiment, artifact_location=(store / "artifacts").resolve().as_uri())
+            experiment, artifact_location=artifacts)
         run_id = tracker_run_id(run_dir)
         earlier = client.search_runs([experiment_id], filter_string=f"tags.`trainbook.run_id` = '{run_id}'",
                                      max_results=1)
