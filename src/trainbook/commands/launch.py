@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from trainbook.commands.preflight import prepare_data, resume_point
+from trainbook.commands.preflight import check_monitor, prepare_data, resume_point
 from trainbook.commands.resolve import resolve
 from trainbook.config import load_config
 from trainbook.errors import TrainbookError
@@ -43,6 +43,7 @@ def launch(recipe: Path, overrides: list[str], nproc: int, run_dir: Path | None,
                              f"{device.type} (one per accelerator, 4 per CPU core)", where="--nproc")
     res = resolve(recipe, overrides, nproc, local_ranks=nproc)
     start = resume_point(res, resume, run_dir)
+    check_monitor(res)
     prepare_data(res)
     if run_dir is None:
         run_dir = start.run_dir if start is not None and start.run_dir is not None else \

@@ -2,8 +2,10 @@
 
 `resume_point` finds (and checks) the checkpoint a run continues from; `prepare_data` makes the
 data cache and checks the recipe against it (vocabulary, enough samples for one batch of every
-rank). `run` calls both in its one process, the `--nproc` launcher before starting the workers
-(which call them again: rank 0 first, the others then find everything in place).
+rank); `check_monitor` checks that the switched-on metric sinks can start (the Prometheus port is
+free, optional packages installed). `run` calls them in its one process, the `--nproc` launcher
+before starting the workers (which call them again: rank 0 first, the others then find
+everything in place).
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from trainbook.commands.resolve import Resolved
 from trainbook.config import Config
 from trainbook.data import Prepared, check_train_split, check_val_split, prepare
 from trainbook.errors import TrainbookError
+from trainbook.monitor.external import check_sinks
 
 
 def prepare_data(res: Resolved, log=print) -> Prepared:
@@ -41,6 +44,15 @@ def prepare_data(res: Resolved, log=print) -> Prepared:
         e.where = f"{where}: {e.where}"
         raise
     return data
+
+
+def check_monitor(res: Resolved) -> None:
+    """The `[monitor]` sinks can start: a taken port or a missing package is one line, now."""
+    try:
+        check_sinks(res.cfg.monitor)
+    except TrainbookError as e:
+        e.where = f"{res.recipe}: {e.where}"
+        raise
 
 
 def resume_point(res: Resolved, resume: str, run_dir: Path | None) -> ResumePoint | None:

@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 
 from trainbook.atomic import atomic_write_json, atomic_write_text
-from trainbook.commands.preflight import ResumePoint, config_changes, prepare_data, resume_point
+from trainbook.commands.preflight import ResumePoint, check_monitor, config_changes, prepare_data, resume_point
 from trainbook.commands.recipe import archived_config, recipe_and_overrides
 from trainbook.commands.resolve import Resolved, resolve
 from trainbook.config import dump_toml
@@ -62,6 +62,7 @@ def start_run(res: Resolved, run_dir: Path | None = None, resume: str = "auto") 
     try:
         # Rank 0 checks and writes; every rank gets its answer (or its one-line error).
         start = rt.rank0_first(lambda: resume_point(res, resume, run_dir))
+        rt.rank0_first(lambda: check_monitor(res))  # rank 0's sinks: before its run directory exists
         if rt.distributed:  # rank 0 fills the data cache; the others then read it
             rt.rank0_first(lambda: prepare_data(res) and None)
         data = prepare_data(res, log=_quiet if rt.distributed else print)

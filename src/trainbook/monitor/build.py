@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from trainbook.config import AlertsConfig, LogConfig, MonitorConfig
+from trainbook.monitor.external import external_sinks
 from trainbook.monitor.sinks import (
     AlertEvents, EventLog, LayersFile, LogLines, MetricsFile, Monitors, console_monitor,
 )
@@ -43,4 +44,6 @@ def build_monitors(info: RunInfo, log: LogConfig, monitor: MonitorConfig, alerts
     if monitor.layer_stats_every > 0:
         monitors.add(LayersFile(info.run_dir / "layers.jsonl"))
     monitors.add(console_monitor(log.progress, log.every_steps, info.max_steps))
+    for sink in external_sinks(info, log, monitor):
+        monitors.add(sink)
     return monitors

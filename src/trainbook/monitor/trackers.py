@@ -1,0 +1,134 @@
+"""Experiment trackers, optional extras: Weights & Biases (`monitor.wandb`) and MLflow (`monitor.mlflow`).
+
+Both log the same scalars as TensorBoard (monitor/scalars.py) at the logging cadence, every
+evaluation and every per-layer statistics step, and both keep one tracker run per trainbook run:
+the tracker's run id is derived from the run directory, so a resumed run continues it. They are
+imported only when switched on; the pre-flight (`check_installed`) has already said, in one
+line, which pip command installs a missing one.
+
+W&B is offline unless `WANDB_MODE` says otherwise: it writes `<run>/wandb/offline-run-*/`, which
+`wandb sync` uploads later, and never opens a connection. MLflow logs to `monitor.mlflow_tracking_uri`,
+by default a SQLite store in `<run>/mlruns/` (MLflow's file store is in maintenance mode).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import os
+from collections import Counter
+from pathlib import Path
+
+from trainbook.errors import TrainbookError
+from trainbook.monitor.report import Alert, EvalReport, LayerReport, StepReport
+from trainbook.monitor.scalars import eval_scalars, layer_scalars, step_scalars
+from trainbook.monitor.sinks import Sink, _due
+
+EXTRAS = {"wandb": "wandb", "mlflow": "mlflow"}
+"""Config key under `monitor.` -> the module it needs (`pip install 'trainbook[<key>]'`)."""
+
+
+def check_installed(key: str) -> None:
+    module = EXTRAS[key]
+    try:
+        found = importlib.util.find_spec(module) is not None
+    except (ImportError, ValueError):  # ValueError: a module blocked in sys.modules
+        found = False
+    if not found:
+        raise TrainbookError(f"{module} is not installed: pip install 'trainbook[{key}]'", where=f"monitor.{key}")
+
+
+def tracker_run_id(run_dir: Path) -> str:
+    """The same id for every attempt of one run (its directory), so a resume continues the tracker run."""
+    return hashlib.sha256(str(run_dir.resolve()).encode()).hexdigest()[:16]
+
+
+class TrackerSink(Sink):
+    """Scalars at the logging cadence, evaluations, layer statistics and the count of each alert
+    rule's firings (`alerts/<rule>`), as `log(values, step, time)`."""
+
+    def __init__(self, every_steps: int, max_steps: int):
+        self.every_steps = every_steps
+        self.max_steps = max_steps
+        self._alerts: Counter[str] = Counter()
+
+    def log(self, values: dict[str, float], step: int, time: float) -> None:
+        raise NotImplementedError
+
+    def on_step(self, report: StepReport) -> None:
+        if _due(report.step, self.every_steps, self.max_steps):
+            self.log(step_scalars(report), report.step, report.time)
+
+    def on_eval(self, report: EvalReport) -> None:
+        self.log(eval_scalars(report), report.step, report.time)
+
+    def on_layers(self, report: LayerReport) -> None:
+        self.log(layer_scalars(report), report.step, report.time)
+
+    def on_alert(self, alert: Alert) -> None:
+        self._alerts[alert.rule] += 1
+        self.log({f"alerts/{alert.rule}": float(self._alerts[alert.rule])}, alert.step, alert.time)
+
+
+class WandbSink(TrackerSink):
+    def __init__(self, run_dir: Path, project: str, name: str, every_steps: int, max_steps: int):
+        import wandb
+
+        super().__init__(every_steps, max_steps)
+        # Offline unless the user chose otherwise: nothing leaves the machine by default.
+        mode = os.environ.get("WANDB_MODE") or "offline"
+        self._run = wandb.init(
+            project=project, name=name, id=tracker_run_id(run_dir), resume="allow", dir=str(run_dir),
+            mode=mode, settings=wandb.Settings(console="off", silent=True),
+        )
+        self._step = 0
+
+    def log(self, values: dict[str, float], step: int, time: float) -> None:
+        # W&B merges calls with the same step into one row (a train step and its evaluation) and
+        # drops a step below the last one: an alert about an earlier step goes in the current row.
+        self._step = max(step, self._step)
+        self._run.log(values, step=self._step)
+
+    def close(self) -> None:
+        self._run.finish()
+
+
+class MlflowSink(TrackerSink):
+    def __init__(self, run_dir: Path, tracking_uri: str | None, experiment: str, name: str,
+                 every_steps: int, max_steps: int):
+        from mlflow.tracking import MlflowClient
+
+        super().__init__(every_steps, max_steps)
+        artifacts = None  # a tracking server's own choice
+        if tracking_uri is None:
+            store = run_dir / "mlruns"
+            store.mkdir(exist_ok=True)
+            tracking_uri = f"sqlite:///{(store / 'mlflow.db').resolve()}"
+            artifacts = (store / "artifacts").resolve().as_uri()  # else ./mlartifacts, outside the run
+        # An explicit client, not mlflow's process-wide active run.
+        self._client = client = MlflowClient(tracking_uri=tracking_uri)
+        found = client.get_experiment_by_name(experiment)
+        experiment_id = found.experiment_id if found else client.create_experiment(
+            experiment, artifact_location=artifacts)
+        run_id = tracker_run_id(run_dir)
+        earlier = client.search_runs([experiment_id], filter_string=f"tags.`trainbook.run_id` = '{run_id}'",
+                                     max_results=1)
+        if earlier:
+            self._run_id = earlier[0].info.run_id
+            client.update_run(self._run_id, status="RUNNING")
+        else:
+            self._run_id = client.create_run(experiment_id, run_name=name, tags={
+                "trainbook.run_id": run_id, "trainbook.run_dir": str(run_dir.resolve())}).info.run_id
+
+    def log(self, values: dict[str, float], step: int, time: float) -> None:
+        from mlflow.entities import Metric
+
+        ms = int(time * 1000)
+        self._client.log_batch(self._run_id, metrics=[Metric(k, v, ms, step) for k, v in values.items()])
+
+    def on_alert(self, alert: Alert) -> None:
+        super().on_alert(alert)
+        self._client.set_tag(self._run_id, f"alert.{alert.rule}", f"step {alert.step}: {alert.message}")
+
+    def close(self) -> None:
+        self._client.set_terminated(self._run_id)
