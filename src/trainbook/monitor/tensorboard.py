@@ -13,7 +13,7 @@ import numpy as np
 
 from trainbook.monitor.report import Alert, EvalReport, LayerReport, StepReport
 from trainbook.monitor.scalars import eval_scalars, layer_scalars, layer_series, step_scalars
-from trainbook.monitor.sinks import Sink, _due
+from trainbook.monitor.sinks import Sink, due
 
 
 class TensorBoardSink(Sink):
@@ -26,7 +26,7 @@ class TensorBoardSink(Sink):
         self.max_steps = max_steps
 
     def on_step(self, report: StepReport) -> None:
-        if _due(report.step, self.every_steps, self.max_steps):
+        if due(report.step, self.every_steps, self.max_steps):
             self._scalars(step_scalars(report), report.step, report.time)
 
     def on_eval(self, report: EvalReport) -> None:

@@ -22,7 +22,7 @@ from pathlib import Path
 from trainbook.errors import TrainbookError
 from trainbook.monitor.report import Alert, EvalReport, LayerReport, StepReport
 from trainbook.monitor.scalars import eval_scalars, layer_scalars, step_scalars
-from trainbook.monitor.sinks import Sink, _due
+from trainbook.monitor.sinks import Sink, due
 
 EXTRAS = {"wandb": "wandb", "mlflow": "mlflow"}
 """Config key under `monitor.` -> the module it needs (`pip install 'trainbook[<key>]'`)."""
@@ -56,7 +56,7 @@ class TrackerSink(Sink):
         raise NotImplementedError
 
     def on_step(self, report: StepReport) -> None:
-        if _due(report.step, self.every_steps, self.max_steps):
+        if due(report.step, self.every_steps, self.max_steps):
             self.log(step_scalars(report), report.step, report.time)
 
     def on_eval(self, report: EvalReport) -> None:
