@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from trainbook.config import AlertsConfig, LogConfig, MonitorConfig
+from trainbook.monitor.alerts import add_alerts
 from trainbook.monitor.sinks import AlertEvents, EventLog, LogLines, MetricsFile, Monitors, console_monitor
 from trainbook.phase import PhaseTracker
 
@@ -39,4 +40,5 @@ def build_monitors(info: RunInfo, log: LogConfig, monitor: MonitorConfig, alerts
         AlertEvents(events),
     ])
     monitors.add(console_monitor(log.progress, log.every_steps, info.max_steps))
+    add_alerts(monitors, info, alerts, logger)  # keep last: closed first, the rules stop before any sink
     return monitors
