@@ -69,17 +69,18 @@ def step_end(run_dir: Path, step: int) -> float:
     raise RuntimeError(f"no metrics line for step {step} in {run_dir}")
 
 
-def first(arrivals: queue.Queue, rule: str, timeout: float = 600) -> float:
+def first(arrivals: queue.Queue, rule: str, step: int, timeout: float = 600) -> float:
+    """Arrival time of the first `rule` alert for `step` (a busy machine may stall earlier too)."""
     while True:
         arrived, body = arrivals.get(timeout=timeout)
-        if body["rule"] == rule:
+        if body["rule"] == rule and body["step"] == step:
             return arrived
 
 
 def nan_latency(recipe: Path, tmp: Path, url: str, arrivals: queue.Queue, i: int) -> float:
     run_dir = tmp / f"nan{i}"
     proc = start_run(recipe, run_dir, url, f"model.block_nan@{NAN_STEP}", f"train.max_steps={NAN_STEP + 1}")
-    arrived = first(arrivals, "nonfinite")
+    arrived = first(arrivals, "nonfinite", NAN_STEP)
     if proc.wait() != 0:
         raise RuntimeError(proc.stderr.read().decode())
     return arrived - step_end(run_dir, NAN_STEP)
@@ -88,8 +89,8 @@ def nan_latency(recipe: Path, tmp: Path, url: str, arrivals: queue.Queue, i: int
 def stall_latency(recipe: Path, tmp: Path, url: str, arrivals: queue.Queue, i: int, stall_s: float) -> float:
     run_dir, release = tmp / f"stall{i}", tmp / f"release{i}"
     proc = start_run(recipe, run_dir, url, f"data.next_batch@{STALL_STEP}", f"train.max_steps={STALL_STEP}",
-                     f"alerts.stall_s={stall_s}", TRAINBOOK_FAULT_ACTION="wait", TRAINBOOK_FAULT_RELEASE=str(release))
-    arrived = first(arrivals, "stall")
+                     f"alerts.stall_s={stall_s}", "alerts.repeat_after_s=0", TRAINBOOK_FAULT_ACTION="wait", TRAINBOOK_FAULT_RELEASE=str(release))
+    arrived = first(arrivals, "stall", STALL_STEP)
     release.touch()
     if proc.wait() != 0:
         raise RuntimeError(proc.stderr.read().decode())

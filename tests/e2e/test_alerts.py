@@ -26,8 +26,10 @@ from tests.conftest import run_cli, run_cli_error, write_corpus, write_recipe
 PAYLOAD_KEYS = {"run", "rank", "rule", "value", "step", "time", "message", "threshold"}
 # A constant LR well above the debug recipe's: the model learns the plays in a few steps, so a
 # batch of random tokens is unmistakable (its loss ~7 against ~3; clean steps stay within a few
-# robust sigmas of their trend, the noise batch is over 100 away).
-LEARNS_FAST = ("optim.lr=3e-3", "schedule.kind=constant", "alerts.window=8", "alerts.repeat_after_s=0")
+# robust sigmas of their trend, the noise batch is over 100 away). Throughput is held to a 50x
+# drop: the test machine is shared, and a clean run on a busy one really is slower at times.
+LEARNS_FAST = ("optim.lr=3e-3", "schedule.kind=constant", "alerts.window=8", "alerts.repeat_after_s=0",
+               "alerts.throughput_drop=0.02")
 
 
 @pytest.fixture(scope="module")
@@ -166,13 +168,13 @@ def test_stall_alert_arrives_while_the_loop_is_stuck(recipe, tmp_path):
            "TRAINBOOK_FAULT_ACTION": "wait", "TRAINBOOK_FAULT_RELEASE": str(release)}
     proc = subprocess.Popen(
         [sys.executable, "-m", "trainbook", "run", str(recipe), "train.max_steps=8", "train.eval_every=0",
-         "alerts.stall_s=8", "--run-dir", str(run_dir)],
+         "alerts.stall_s=10", "alerts.repeat_after_s=0", "--run-dir", str(run_dir)],
         cwd=recipe.parent, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )
     try:
-        stall = _wait_for_alert(run_dir, "stall", proc)
+        stall = _wait_for_alert(run_dir, "stall", 6, proc)
         assert proc.poll() is None  # still stuck
-        assert stall["step"] == 6 and stall["value"] >= 8 and stall["threshold"] == 8
+        assert stall["value"] >= 10 and stall["threshold"] == 10
         assert "no step finished for" in stall["message"] and "step 6 is in phase data" in stall["message"]
         metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
         assert max(r["step"] for r in metrics if r["kind"] == "train") < 6
@@ -180,17 +182,19 @@ def test_stall_alert_arrives_while_the_loop_is_stuck(recipe, tmp_path):
         release.touch()
         out, err = proc.communicate(timeout=300)
     assert proc.returncode == 0, err
-    assert [a["step"] for a in _alerts(run_dir) if a["rule"] == "stall"] == [6]
+    # Once per stall: released, the run went on without another.
+    assert [a["step"] for a in _alerts(run_dir) if a["rule"] == "stall"].count(6) == 1
 
 
-def _wait_for_alert(run_dir: Path, rule: str, proc: subprocess.Popen, limit_s: float = 300) -> dict:
-    """The first `rule` alert in events.jsonl; fails if the run ends first (or after `limit_s`,
-    a guard against a broken build, far above what the alert takes on any machine)."""
+def _wait_for_alert(run_dir: Path, rule: str, step: int, proc: subprocess.Popen, limit_s: float = 300) -> dict:
+    """The first `rule` alert for `step` in events.jsonl (a step slowed over 10 s by a very busy
+    machine would be a stall too); fails if the run ends first (or after `limit_s`, a guard
+    against a broken build, far above what the alert takes on any machine)."""
     deadline = time.monotonic() + limit_s
     while time.monotonic() < deadline:
         events = run_dir / "events.jsonl"
         if events.is_file():
-            found = [a for a in _alerts_so_far(events) if a["rule"] == rule]
+            found = [a for a in _alerts_so_far(events) if a["rule"] == rule and a["step"] == step]
             if found:
                 return found[0]
         assert proc.poll() is None, proc.communicate()
