@@ -124,7 +124,8 @@ def test_clean_default_run_fires_nothing(shakespeare_cache, tmp_path):
     run_dir = tmp_path / "clean"
     done = run_cli("run", "train.max_steps=40", "train.global_batch_tokens=512", "train.eval_every=10",
                    "schedule.warmup_steps=5", "alerts.window=10", "alerts.throughput_drop=0.02",
-                   f"data.cache_dir={shakespeare_cache}", "--run-dir", str(run_dir), cwd=tmp_path)
+                   f"data.cache_dir={shakespeare_cache}", "--run-dir", str(run_dir), cwd=tmp_path,
+                   timeout=900)  # 40 steps of the default model: minutes on a starved machine
     assert done.returncode == 0, done.stderr
     assert _alerts(run_dir) == []
     assert "alert" not in _log(run_dir)
