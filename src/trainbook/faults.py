@@ -1,11 +1,31 @@
-"""Fault points: named places where a test can kill the process with a real SIGKILL.
+"""Fault points: named places where a test causes a real failure at an exact moment.
 
-`TRAINBOOK_FAULT=<point>@<step>` (or just `<point>`, any step) makes `fault_point(point, step)`
-send SIGKILL to its own process at that instant. `TRAINBOOK_FAULT_RANK=<r>` limits it to one
-rank; `TRAINBOOK_FAULT_ACTION=hang` makes that rank stop answering instead (collective timeouts), and
-`TRAINBOOK_FAULT_ACTION=raise` raises an exception there (a run that fails with a Python error). Crash-safety tests use it to die at exact
-moments (between a checkpoint's manifest and its rename, after a given step, ...) that a signal
-sent from outside could only hit by luck. Unset, it costs one environment lookup.
+`TRAINBOOK_FAULT=<point>@<step>` arms one point at one step; `<point>@<step>+` at that step and
+every later one; a bare `<point>` at every step. Several points: a comma-separated list
+(`model.block_nan@5,train.leak`). `TRAINBOOK_FAULT_RANK=<r>` limits them to one rank. Unset, a
+point costs one environment lookup.
+
+Two kinds of point:
+
+- Stops, `fault_point(point, step)`: by default the process sends itself a real SIGKILL there.
+  `TRAINBOOK_FAULT_ACTION=hang` makes it stop answering instead (collective timeouts);
+  `TRAINBOOK_FAULT_ACTION=raise` raises a RuntimeError there (a run that fails with a Python error);
+  `TRAINBOOK_FAULT_ACTION=wait` blocks it until the file named by `TRAINBOOK_FAULT_RELEASE`
+  exists, so a test holds a run stuck exactly as long as it needs (stall alerts, hang
+  diagnosis) and then lets it go on. Crash-safety tests use them to die at moments (between a
+  checkpoint's manifest and its rename, after a given step) that a signal sent from outside could
+  only hit by luck. The stops: `train.after_step`, `data.next_batch` (the loop is fetching the
+  first batch of step N, phase data), `checkpoint.*` (checkpoint/store.py).
+- Damage, `fault_active(point, step)`: the product asks whether to do the point's harm now. Those
+  points and what they do (train/fault_hooks.py attaches them when armed):
+  `model.block_nan`     block `TRAINBOOK_FAULT_BLOCK` (default 0) outputs NaN in the training
+                        forward of the step (the loss and every gradient become NaN);
+  `data.slow_batch`     the step's first batch arrives late: the step takes TRAINBOOK_FAULT_SLOWDOWN
+                        (default 10) times as long as the recent clean ones, on any machine;
+  `data.random_batch`   the step's batches hold uniformly random token ids (a loss and gradient
+                        spike; from a step on, `@N+`, training on noise: validation regresses);
+  `train.leak`          each step keeps a new `TRAINBOOK_FAULT_BYTES` (default 16 MiB) allocation
+                        alive on the training device (a memory leak).
 """
 
 from __future__ import annotations
@@ -17,13 +37,38 @@ import time
 ENV = "TRAINBOOK_FAULT"
 
 
-def fault_point(point: str, step: int) -> None:
+def _steps_armed(point: str) -> list[tuple[int | None, bool]] | None:
+    """(step or None for any, and-later) for each arming of `point` on this rank; None if unarmed."""
     spec = os.environ.get(ENV)
     if not spec:
-        return
-    name, _, at = spec.partition("@")
+        return None
     rank = os.environ.get("TRAINBOOK_FAULT_RANK")
-    if name != point or (at and int(at) != step) or (rank is not None and rank != os.environ.get("RANK", "0")):
+    if rank is not None and rank != os.environ.get("RANK", "0"):
+        return None
+    found = []
+    for item in spec.split(","):
+        name, _, at = item.strip().partition("@")
+        if name == point:
+            found.append((int(at.rstrip("+")) if at else None, at.endswith("+")))
+    return found or None
+
+
+def fault_armed(point: str) -> bool:
+    """Whether `point` is armed at any step on this rank (to attach a hook only when needed)."""
+    return _steps_armed(point) is not None
+
+
+def fault_active(point: str, step: int) -> bool:
+    """Whether `point` is armed for `step` on this rank."""
+    for at, later in _steps_armed(point) or ():
+        if at is None or at == step or (later and step >= at):
+            return True
+    return False
+
+
+def fault_point(point: str, step: int) -> None:
+    """Kill the process here (or hang, or wait for the release file) when armed for `step`."""
+    if not fault_active(point, step):
         return
     action = os.environ.get("TRAINBOOK_FAULT_ACTION")
     if action == "hang":
@@ -31,4 +76,9 @@ def fault_point(point: str, step: int) -> None:
             time.sleep(3600)
     if action == "raise":
         raise RuntimeError(f"fault injected at {point} (step {step})")
+    if action == "wait":
+        release = os.environ["TRAINBOOK_FAULT_RELEASE"]
+        while not os.path.exists(release):
+            time.sleep(0.05)
+        return
     os.kill(os.getpid(), signal.SIGKILL)

@@ -6,6 +6,7 @@ it as the field's description). Unknown keys are errors. Components receive thei
 
 from __future__ import annotations
 
+import urllib.parse
 from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
@@ -351,9 +352,11 @@ class AlertsConfig(Section):
     """Rule ids that are on: nonfinite, loss_spike, grad_spike, throughput_drop, stall,
     memory_growth, val_regression, mix_drift."""
     webhook_url: str | None = None
-    """POST each alert as JSON here (a background thread with timeout and retries; never blocks training)."""
-    command: list[str] | None = None
-    """Run this argv (never a shell) for each alert, with the alert as JSON on stdin."""
+    """POST each alert as JSON here, an http(s) URL (a background thread with timeout and retries;
+    never blocks training)."""
+    command: list[str] | None = Field(default=None, min_length=1)
+    """Run this argv (never a shell) for each alert, with the alert as JSON on stdin (timeout:
+    `webhook_timeout_s`)."""
     window: int = Field(default=50, ge=5)
     """Steps of history the spike, throughput and memory rules judge a new step against."""
     loss_spike_z: float = Field(default=6.0, gt=0)
@@ -376,6 +379,20 @@ class AlertsConfig(Section):
     """Retries of a failed POST, with exponential backoff."""
     repeat_after_s: float = Field(default=300.0, ge=0)
     """One rule fires again only after this many seconds (deduplication and rate limit)."""
+
+    @field_validator("webhook_url")
+    @classmethod
+    def _http_url(cls, url: str | None) -> str | None:
+        if url is None:
+            return url
+        parts = urllib.parse.urlsplit(url)
+        try:
+            parts.port  # noqa: B018 - raises on a port that is not a number in range
+        except ValueError as e:
+            raise ValueError(f"{url!r} is not a valid URL: {e}") from None
+        if parts.scheme not in ("http", "https") or not parts.hostname or any(c.isspace() for c in url):
+            raise ValueError(f"{url!r} is not an http(s) URL with a host, e.g. 'https://hooks.example.com/alerts'")
+        return url
 
     @field_validator("rules")
     @classmethod

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from trainbook.config import AlertsConfig, LogConfig, MonitorConfig
+from trainbook.monitor.alerts import add_alerts
 from trainbook.monitor.external import external_sinks
 from trainbook.monitor.sinks import (
     AlertEvents, EventLog, LayersFile, LogLines, MetricsFile, Monitors, console_monitor,
@@ -46,4 +47,5 @@ def build_monitors(info: RunInfo, log: LogConfig, monitor: MonitorConfig, alerts
     monitors.add(console_monitor(log.progress, log.every_steps, info.max_steps))
     for sink in external_sinks(info, log, monitor):
         monitors.add(sink)
+    add_alerts(monitors, info, alerts, logger)  # keep last: closed first, the rules stop before any sink
     return monitors

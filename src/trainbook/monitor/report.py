@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass, field
 
 
@@ -112,4 +113,9 @@ class Alert:
     threshold: float | None = None
 
     def payload(self) -> dict:
-        return asdict(self)
+        """The JSON object (webhook body, command stdin, events.jsonl line): a NaN/inf value is
+        null, since JSON has neither (the message says which it was)."""
+        record = asdict(self)
+        if record["value"] is not None and not math.isfinite(record["value"]):
+            record["value"] = None
+        return record

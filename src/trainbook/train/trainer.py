@@ -44,6 +44,7 @@ from trainbook.parallel.runtime import Runtime
 from trainbook.phase import Phase, PhaseTracker
 from trainbook.precision import Precision
 from trainbook.train.engine import LocalEngine, PipelineEngine, lm_loss
+from trainbook.train.fault_hooks import FaultyBatches, attach_block_nan
 from trainbook.train.optim import build_optimizer, load_optimizer_state, optimizer_state, optimizer_state_like
 from trainbook.train.rng import rng_state, set_rng_state
 from trainbook.train.schedule import LRSchedule
@@ -81,6 +82,7 @@ class Trainer:
         seed_everything(cfg.run.seed)
         self.engine = self._build_engine()
         self.model = self.engine.model
+        attach_block_nan(self.model, self.tracker)  # only when TRAINBOOK_FAULT arms it
         self.optimizer = build_optimizer(self.model, cfg.optim, embeddings=self.engine.embeddings)
         self.schedule = LRSchedule(cfg.schedule, cfg.optim.lr, cfg.train.max_steps)
         self.scaler = self.precision.loss_scaler()
@@ -189,6 +191,8 @@ class Trainer:
         t = self.cfg.train
         self._announce()
         batches = iter(self.train_loader)
+        if FaultyBatches.wanted():  # TRAINBOOK_FAULT arms a fault of the data path
+            batches = FaultyBatches(batches, self.tracker, self.cfg.model.vocab_size, self.device)
         report, decision = None, Decision.CONTINUE
         try:
             last_eval = self._evaluate() if self.val_batches and self.step == 0 else None

@@ -1,0 +1,225 @@
+"""Alert rules: judge every StepReport and EvalReport (rank 0) and publish what fires.
+
+Rules (ids are `alerts.rules` values, all on by default):
+
+- `nonfinite`: the loss, the validation loss or the gradient norm is NaN/inf. An fp16 step whose
+  gradients overflowed (`report.skipped`) is the loss scaler's business, not an alert.
+- `loss_spike`, `grad_spike`: robust z-score of the value against the last `window` steps
+  (median/MAD of their residuals around a Theil-Sen trend line, so a fast-falling early loss is
+  not noise), above `loss_spike_z` / `grad_spike_z`. Only rises count.
+- `throughput_drop`: tokens/s (the median of the last 3 steps) below `throughput_drop` times the
+  rolling median of the window.
+- `memory_growth`: peak memory rose at three quarters of the window's steps or more and by more
+  than `memory_growth_bytes_per_step` per step over the window (a leak, not one-off growth).
+- `val_regression`: validation loss `val_regression` (a fraction) above its best so far.
+- `mix_drift`: a source's share of the tokens consumed is `mix_drift` (absolute) off its target.
+- `stall`: no step finished for `stall_s` seconds. A heartbeat thread watches, so the alert
+  comes while the loop is stuck, and says the phase and step the phase tracker shows.
+
+Warm-up: the rules that compare with history (spikes, throughput, memory, mixture) judge a step
+only once the LR warmup is over (the LR stopped rising) and `window` steps have been seen since;
+the first steps of a run (allocator, optimizer state, compilation) and the warmup's large early
+updates are never judged. A rule fires again only `repeat_after_s` after it last fired.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+from trainbook.config import AlertsConfig
+from trainbook.monitor.destinations import AlertCommand, Webhook
+from trainbook.monitor.report import Alert, EvalReport, StepReport
+from trainbook.monitor.sinks import Monitors, Sink
+
+if TYPE_CHECKING:
+    from trainbook.monitor.build import RunInfo
+
+MAD_TO_SIGMA = 1.4826  # MAD of a normal distribution times this is its standard deviation
+RECENT = 3  # steps whose median throughput is compared with the window's
+
+
+def robust_z(value: float, history: deque[float]) -> tuple[float, float]:
+    """How many robust standard deviations `value` lies above the trend of `history`, and the
+    trend's value at this step.
+
+    The trend is a Theil-Sen line (the median of pairwise slopes), so a loss that is still
+    falling fast is not read as noise; the spread is the MAD of the residuals around it, times
+    1.4826 (a normal distribution's sigma). With a flat history this is the plain median/MAD
+    z-score.
+    """
+    ys = list(history)
+    n = len(ys)
+    slope = statistics.median((ys[j] - ys[i]) / (j - i) for i in range(n) for j in range(i + 1, n))
+    intercept = statistics.median(y - slope * i for i, y in enumerate(ys))
+    residuals = [y - (intercept + slope * i) for i, y in enumerate(ys)]
+    center = statistics.median(residuals)
+    mad = statistics.median(abs(r - center) for r in residuals)
+    expected = intercept + slope * n + center
+    # A smooth history (MAD near 0) would make any wobble a spike: the spread is at least 1% of
+    # the level, so a step within a few percent of its trend never fires.
+    scale = max(MAD_TO_SIGMA * mad, 1e-2 * abs(expected), 1e-12)
+    return (value - expected) / scale, expected
+
+
+class AlertRules(Sink):
+    """The rules of `cfg.rules`; each fired alert goes to `publish` (the run's `Monitors.on_alert`)."""
+
+    def __init__(self, cfg: AlertsConfig, info: RunInfo, publish: Callable[[Alert], None]):
+        self.cfg = cfg
+        self.info = info
+        self.publish = publish
+        self.on = set(cfg.rules)
+        self._lock = threading.Lock()  # the heartbeat thread fires too
+        self._last_fired: dict[str, float] = {}
+        self._last_lr: float | None = None
+        self._warm_steps = 0  # steps seen since the LR warmup ended
+        self._history = {key: deque(maxlen=cfg.window) for key in ("loss", "grad_norm", "tokens_per_s", "mem")}
+        self._best_val: float | None = None
+        self._last_progress = time.monotonic()
+        self._stop = threading.Event()
+        self._heartbeat = None
+        if "stall" in self.on:
+            self._heartbeat = threading.Thread(target=self._watch_stall, name="trainbook-stall", daemon=True)
+            self._heartbeat.start()
+
+    # ---- step and eval rules --------------------------------------------------------------
+
+    def on_step(self, r: StepReport) -> None:
+        self._last_progress = time.monotonic()
+        if not math.isfinite(r.loss):
+            self._fire("nonfinite", r.loss, r.step, f"training loss is {r.loss}")
+        elif not r.skipped and not math.isfinite(r.grad_norm):
+            self._fire("nonfinite", r.grad_norm, r.step, f"gradient norm is {r.grad_norm} (loss {r.loss:.4f})")
+        if self._warmed_up(r):
+            self._judge_history(r)
+        self._remember(r)
+
+    def on_eval(self, r: EvalReport) -> None:
+        self._last_progress = time.monotonic()
+        if not math.isfinite(r.val_loss):
+            self._fire("nonfinite", r.val_loss, r.step, f"validation loss is {r.val_loss}")
+            return
+        best = self._best_val
+        limit = None if best is None else best * (1 + self.cfg.val_regression)
+        if limit is not None and r.val_loss > limit:
+            self._fire("val_regression", r.val_loss, r.step,
+                       f"validation loss {r.val_loss:.4f} is {r.val_loss / best - 1:.1%} above its best {best:.4f}",
+                       threshold=limit)
+        self._best_val = r.val_loss if best is None else min(best, r.val_loss)
+
+    def _warmed_up(self, r: StepReport) -> bool:
+        """True once the LR stopped rising and a full window of steps has been seen since."""
+        rising = self._last_lr is not None and r.lr > self._last_lr
+        self._last_lr = r.lr
+        if self._warm_steps == 0 and (rising or r.step == 1):
+            for history in self._history.values():
+                history.clear()  # warmup values are no yardstick for the rest of the run
+            return False
+        self._warm_steps += 1
+        return self._warm_steps > self.cfg.window
+
+    def _judge_history(self, r: StepReport) -> None:
+        h, c = self._history, self.cfg
+        if math.isfinite(r.loss):
+            z, expected = robust_z(r.loss, h["loss"])
+            if z > c.loss_spike_z:
+                self._fire("loss_spike", r.loss, r.step, f"loss {r.loss:.4f} is {z:.1f} robust sigmas above its "
+                           f"trend {expected:.4f} over the last {len(h['loss'])} steps", threshold=c.loss_spike_z)
+        if not r.skipped and math.isfinite(r.grad_norm):
+            z, expected = robust_z(r.grad_norm, h["grad_norm"])
+            if z > c.grad_spike_z:
+                self._fire("grad_spike", r.grad_norm, r.step, f"gradient norm {r.grad_norm:.4g} is {z:.1f} robust "
+                           f"sigmas above its trend {expected:.4g} over the last {len(h['grad_norm'])} steps",
+                           threshold=c.grad_spike_z)
+        # The last RECENT steps' median: one slow step (a hiccup of a shared machine, a long
+        # data fetch) is no drop; one stuck long is the stall rule's.
+        median_tps = statistics.median(h["tokens_per_s"])
+        recent = statistics.median([*list(h["tokens_per_s"])[-(RECENT - 1):], r.tokens_per_s])
+        if recent < c.throughput_drop * median_tps:
+            self._fire("throughput_drop", recent, r.step,
+                       f"{recent:,.0f} tokens/s over the last {RECENT} steps is {recent / median_tps:.0%} of the "
+                       f"rolling median {median_tps:,.0f}", threshold=c.throughput_drop * median_tps)
+        self._judge_memory(r)
+        self._judge_mix(r)
+
+    def _judge_memory(self, r: StepReport) -> None:
+        mem = [*self._history["mem"], r.mem_peak_bytes]
+        rises = sum(b > a for a, b in zip(mem, mem[1:]))
+        slope = (mem[-1] - mem[0]) / (len(mem) - 1)
+        limit = self.cfg.memory_growth_bytes_per_step
+        if rises >= 0.75 * (len(mem) - 1) and slope > limit:
+            self._fire("memory_growth", slope, r.step, f"peak memory grew {slope / 2**20:,.1f} MiB per step over "
+                       f"the last {len(mem) - 1} steps (now {r.mem_peak_bytes / 2**30:.2f} GiB)", threshold=limit)
+
+    def _judge_mix(self, r: StepReport) -> None:
+        for source, share in (r.data_mix or {}).items():
+            off = share["actual"] - share["target"]
+            if abs(off) > self.cfg.mix_drift:
+                self._fire("mix_drift", share["actual"], r.step, f"source '{source}' is {share['actual']:.1%} of "
+                           f"the tokens consumed, its weight asks {share['target']:.1%}", threshold=self.cfg.mix_drift)
+
+    def _remember(self, r: StepReport) -> None:
+        h = self._history
+        if math.isfinite(r.loss):
+            h["loss"].append(r.loss)
+        if not r.skipped and math.isfinite(r.grad_norm):
+            h["grad_norm"].append(r.grad_norm)
+        h["tokens_per_s"].append(r.tokens_per_s)
+        h["mem"].append(r.mem_peak_bytes)
+
+    # ---- stall: the heartbeat thread ------------------------------------------------------
+
+    def _watch_stall(self) -> None:
+        tick = min(0.25, self.cfg.stall_s / 4)
+        fired_for = None  # the progress time a stall alert was already sent for
+        while not self._stop.wait(tick):
+            since = self._last_progress
+            idle = time.monotonic() - since
+            if idle < self.cfg.stall_s or fired_for == since:
+                continue
+            state = self.info.tracker.current() if self.info.tracker is not None else None
+            where = "" if state is None else (
+                f"; step {state.step} is in phase {state.phase.value}"
+                f"{f' ({state.detail})' if state.detail else ''} for {time.monotonic() - state.since:.1f} s")
+            if self._fire("stall", idle, state.step if state else 0,
+                          f"no step finished for {idle:.1f} s{where}", threshold=self.cfg.stall_s):
+                fired_for = since
+
+    # ---- firing ---------------------------------------------------------------------------
+
+    def _fire(self, rule: str, value: float, step: int, message: str, threshold: float | None = None) -> bool:
+        """Publish an alert unless the rule is off or fired less than `repeat_after_s` ago."""
+        if rule not in self.on:
+            return False
+        now = time.monotonic()
+        with self._lock:
+            last = self._last_fired.get(rule)
+            if last is not None and now - last < self.cfg.repeat_after_s:
+                return False
+            self._last_fired[rule] = now
+        self.publish(Alert(run=self.info.run_name, rank=self.info.rank, rule=rule, value=value, step=step,
+                           time=time.time(), message=message, threshold=threshold))
+        return True
+
+    def close(self) -> None:
+        self._stop.set()
+        if self._heartbeat is not None:
+            self._heartbeat.join()
+
+
+def add_alerts(monitors: Monitors, info: RunInfo, cfg: AlertsConfig, logger) -> None:
+    """Rank 0: the destinations of `cfg`, then the rules, which publish through `monitors` (so every
+    sink, the log and events.jsonl included, sees each alert). Closed in reverse: the rules stop
+    firing before the destinations drain."""
+    if cfg.webhook_url:
+        monitors.add(Webhook(cfg.webhook_url, cfg.webhook_timeout_s, cfg.webhook_retries, logger))
+    if cfg.command:
+        monitors.add(AlertCommand(cfg.command, cfg.webhook_timeout_s, logger))
+    if cfg.rules:
+        monitors.add(AlertRules(cfg, info, monitors.on_alert))

@@ -1,0 +1,93 @@
+"""The damage that armed fault points do to a training run (trainbook/faults.py lists them).
+
+Attached by the trainer only when `TRAINBOOK_FAULT` arms them; otherwise nothing here runs.
+Detectors (alerts, NaN triage, the hang watchdog) are proven by the real thing these cause in a
+real run: a NaN inside a block's forward, a batch of noise, a loop stuck fetching data, memory
+that is never released.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import statistics
+import time
+from collections import deque
+from collections.abc import Iterator
+
+import torch
+from torch import nn
+
+from trainbook.data.loader import Batch
+from trainbook.faults import fault_active, fault_armed, fault_point
+from trainbook.phase import PhaseTracker
+
+
+def attach_block_nan(model: nn.Module, tracker: PhaseTracker) -> None:
+    """`model.block_nan@N`: block `TRAINBOOK_FAULT_BLOCK` puts NaN in its output in step N's
+    training forward (evaluation is left alone). A rank without that block does nothing."""
+    if not fault_armed("model.block_nan"):
+        return
+    name = re.compile(rf"(.*\.)?layers\.{int(os.environ.get('TRAINBOOK_FAULT_BLOCK', '0'))}")
+    block = next((m for n, m in model.named_modules() if name.fullmatch(n)), None)
+    if block is None:
+        return
+
+    def poison(module: nn.Module, args, output: torch.Tensor) -> torch.Tensor | None:
+        if module.training and fault_active("model.block_nan", tracker.current().step):
+            return output + float("nan")  # (B, T, dim), every element NaN
+        return None
+
+    block.register_forward_hook(poison)
+
+
+class FaultyBatches:
+    """Wraps the batch iterator: the fault points of the data path, asked at every batch taken.
+
+    `data.next_batch` (a stop: kill, hang, or wait for the release file) at the first batch of
+    each step; `data.slow_batch` delays that batch by (TRAINBOOK_FAULT_SLOWDOWN - 1, default 9)
+    times the median duration of the last clean steps, so the step is that many times slower on any machine;
+    `data.random_batch` replaces the step's batches with random ids below `vocab_size`;
+    `train.leak` keeps an allocation alive per step on `device`.
+    """
+
+    def __init__(self, batches: Iterator[Batch], tracker: PhaseTracker, vocab_size: int, device: torch.device):
+        self.batches = batches
+        self.tracker = tracker
+        self.vocab_size = vocab_size
+        self.device = device
+        self.leaked: list[torch.Tensor] = []
+        self._last_step = -1
+        self._step_started: float | None = None  # monotonic time the previous step took its first batch
+        self._clean_steps_s: deque[float] = deque(maxlen=20)  # durations of the last undamaged steps
+        self._leak_bytes = int(os.environ.get("TRAINBOOK_FAULT_BYTES", 16 << 20))
+
+    @staticmethod
+    def wanted() -> bool:
+        return any(fault_armed(p) for p in ("data.next_batch", "data.slow_batch", "data.random_batch", "train.leak"))
+
+    def __iter__(self) -> FaultyBatches:
+        return self
+
+    def __next__(self) -> Batch:
+        step = self.tracker.current().step
+        if step != self._last_step:  # the first batch of a step
+            self._last_step = step
+            now = time.monotonic()
+            if self._step_started is not None and not fault_active("data.slow_batch", step - 1):
+                self._clean_steps_s.append(now - self._step_started)
+            self._step_started = now
+            fault_point("data.next_batch", step)
+            if fault_active("data.slow_batch", step) and self._clean_steps_s:
+                slowdown = float(os.environ.get("TRAINBOOK_FAULT_SLOWDOWN", 10))
+                time.sleep((slowdown - 1) * statistics.median(self._clean_steps_s))
+            if fault_active("train.leak", step):
+                # ones, not empty: on CPU only touched pages count in the resident set.
+                self.leaked.append(torch.ones(self._leak_bytes // 4, dtype=torch.float32, device=self.device))
+        batch = next(self.batches)
+        if fault_active("data.random_batch", step):
+            # Its own generator: the run's RNG streams (dropout, sampling) stay as they were.
+            rng = torch.Generator().manual_seed(step)
+            noise = torch.randint(0, self.vocab_size, (batch.inputs.shape[0], batch.inputs.shape[1] + 1), generator=rng)
+            batch = Batch(noise[:, :-1].contiguous(), noise[:, 1:].contiguous(), batch.positions)
+        return batch
