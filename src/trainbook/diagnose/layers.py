@@ -11,9 +11,10 @@ For each block ("embed", "layers.0", ..., "norm", "output") and each optimizer p
 and, for blocks, statistics of the block's output over every token of the step (all micro-batches,
 all data-parallel ranks): `act_mean`, `act_std`, `act_max_abs`, `act_zero_frac`.
 
-Every value is global. A sharded parameter (FSDP's Shard(0), a tensor-parallel Shard) adds the
-squares of its local shard, summed over the mesh dimensions it is sharded on; replicated copies
-are counted once. Activations are summed over the data-parallel ranks and over the
+Every value is global. The norm of a sharded parameter or gradient (FSDP, TP, both) is taken
+through DTensor's own reduction, as gradient clipping takes it: it knows which shards to sum
+(placements such as a 2-D FSDP x TP weight's, or the Replicate gradient torch gives a
+tensor-parallel embedding, are its business). Activations are summed over the data-parallel ranks and over the
 tensor-parallel ones, which each hold a slice of the sequence between blocks (sequence parallel,
 parallel/apply.py). Pipeline stages each measure their own blocks; rank 0 merges them.
 
@@ -69,6 +70,16 @@ def _settled(t: torch.Tensor) -> torch.Tensor:
     return t.redistribute(t.device_mesh, [Replicate() if p.is_partial() else p for p in placements])
 
 
+def _sq(t: torch.Tensor | None) -> float:
+    """The squared L2 norm of a whole tensor: a DTensor's over all its shards (DTensor's own
+    reduction, which knows its placements), a plain one's as it is."""
+    if t is None:
+        return 0.0
+    if hasattr(t, "full_tensor"):
+        return torch.linalg.vector_norm(t, dtype=torch.float64).full_tensor().square().item()
+    return t.double().square().sum().item()
+
+
 def _sharded_groups(t: torch.Tensor) -> tuple:
     """The process groups a tensor's shards are spread over (none for a plain or replicated one)."""
     placements = getattr(t, "placements", None)
@@ -76,25 +87,6 @@ def _sharded_groups(t: torch.Tensor) -> tuple:
         return ()
     mesh = t.device_mesh
     return tuple(mesh.get_group(d) for d, p in enumerate(placements) if p.is_shard() and mesh.size(d) > 1)
-
-
-def global_sums(tensors: list[torch.Tensor], values: list[torch.Tensor]) -> list[float]:
-    """`values[i]` is a local sum over `tensors[i]`'s shard; returns the sums over whole tensors.
-
-    Tensors sharded alike are reduced together (one all-reduce per mesh dimension per kind of
-    placement), in the order of first appearance, which every rank of a group shares.
-    """
-    out = [0.0] * len(values)
-    by_groups: dict[tuple, list[int]] = {}
-    for i, t in enumerate(tensors):
-        by_groups.setdefault(_sharded_groups(t), []).append(i)
-    for groups, idx in by_groups.items():
-        stacked = torch.stack([values[i] for i in idx])
-        for group in groups:
-            dist.all_reduce(stacked, group=group)
-        for i, v in zip(idx, stacked.tolist()):
-            out[i] = v
-    return out
 
 
 class _ActStats:
@@ -176,16 +168,15 @@ class LayerStats:
         """Gradients are final (reduced, unscaled) and not yet clipped: measure them."""
         if not self.armed:
             return
-        grads = [_settled(p.grad) if p.grad is not None else p for _, p in self.named]
-        local = [(_local(g).double().square().sum() if p.grad is not None
-                  else torch.zeros((), dtype=torch.float64, device=_local(p).device))
-                 for g, (_, p) in zip(grads, self.named)]
-        self._grad_sq = global_sums(grads, local)
+        # A DTensor gradient's norm through DTensor itself, as clipping measures it: its placements
+        # may not be its parameter's (torch gives a tensor-parallel embedding a Replicate gradient
+        # whose shards still need summing), and DTensor's reduction knows what to sum.
+        self._grad_sq = [_sq(p.grad) for _, p in self.named]
 
     def before_update(self) -> None:
         """The weights as they are before the optimizer step (local shards)."""
         if self.armed:
-            self._before = [_local(p).detach().clone() for _, p in self.named]
+            self._before = [p.detach().clone() for _, p in self.named]
 
     def finish(self, step: int) -> LayerReport | None:
         """After the optimizer step: reduce everything; rank 0 gets the report, others None."""
@@ -194,11 +185,10 @@ class LayerStats:
         self.armed = False
         params = [p for _, p in self.named]
         if self._before is None:  # the step was skipped (fp16 overflow): weights unchanged
-            self._before = [_local(p).detach().clone() for p in params]
+            self._before = [p.detach().clone() for p in params]
         before, n = self._before, len(params)
-        sq = [b.double().square().sum() for b in before]
-        upd = [(_local(p).detach().double() - b.double()).square().sum() for p, b in zip(params, before)]
-        sums = global_sums(params + params, sq + upd)
+        # Norms through DTensor itself (sharded weights: FSDP, TP, both), one per parameter.
+        sums = [_sq(b) for b in before] + [_sq(p.detach() - b) for p, b in zip(params, before)]
         grad_sq = self._grad_sq or [0.0] * n
         self._grad_sq, self._before = None, None
         rows = list(zip(grad_sq, sums[:n], sums[n:]))
