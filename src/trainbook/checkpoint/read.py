@@ -7,13 +7,13 @@ import json
 from collections.abc import Callable
 from pathlib import Path
 
-import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from trainbook.checkpoint.store import (
     LATEST, MANIFEST, InvalidCheckpoint, _no_dist, _single_process_ok, file_crc32, step_of,
 )
+from trainbook.config import dotted_keys as flatten  # nested state -> the keys DCP stores
 from trainbook.errors import TrainbookError
 
 def read_latest(root: Path) -> int | None:
@@ -86,18 +86,6 @@ def tensor_entries(path: Path) -> dict[str, TensorStorageMetadata]:
         if not isinstance(item, TensorStorageMetadata):
             raise TrainbookError(f"holds a pickled object at {key!r}; refusing to unpickle it", where=str(path))
     return dict(metadata.state_dict_metadata)
-
-
-def flatten(state: dict, prefix: str = "") -> dict[str, torch.Tensor]:
-    """Nested dicts of tensors -> {"a.b.c": tensor}, the keys DCP stores them under."""
-    flat = {}
-    for key, value in state.items():
-        name = f"{prefix}{key}"
-        if isinstance(value, dict):
-            flat.update(flatten(value, name + "."))
-        else:
-            flat[name] = value
-    return flat
 
 
 def load_state(path: Path, state: dict) -> None:

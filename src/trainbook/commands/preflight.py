@@ -15,7 +15,7 @@ from pathlib import Path
 
 from trainbook.checkpoint import InvalidCheckpoint, newest_valid, read_latest, step_of, verify
 from trainbook.commands.resolve import Resolved
-from trainbook.config import Config
+from trainbook.config import Config, dotted_keys
 from trainbook.data import Prepared, check_train_split, check_val_split, prepare
 from trainbook.errors import TrainbookError
 from trainbook.monitor.external import check_sinks
@@ -139,14 +139,5 @@ def check_compatible(manifest: dict, cfg: Config, where: str) -> None:
 
 def config_changes(saved: dict, cfg: Config) -> dict[str, tuple]:
     """Flat `section.key` -> (checkpoint's value, this run's value) for every value that differs."""
-    def flat(tree: dict, prefix: str = "") -> dict:
-        out = {}
-        for key, value in tree.items():
-            if isinstance(value, dict):
-                out.update(flat(value, f"{prefix}{key}."))
-            else:
-                out[f"{prefix}{key}"] = value
-        return out
-
-    old, new = flat(saved), flat(cfg.model_dump(mode="json"))
+    old, new = dotted_keys(saved), dotted_keys(cfg.model_dump(mode="json"))
     return {k: (old.get(k), new.get(k)) for k in sorted(old.keys() | new.keys()) if old.get(k) != new.get(k)}

@@ -1,6 +1,6 @@
 """Recipe schema, loading (`extends`, overrides), validation and the resolved dump."""
 
-from trainbook.config.load import dump_toml, load_config, parse_override
+from trainbook.config.load import dotted_keys, dump_toml, load_config, parse_override
 from trainbook.config.schema import (
     ALERT_RULES,
     AlertsConfig,
@@ -23,5 +23,5 @@ from trainbook.config.schema import (
 __all__ = [
     "ALERT_RULES", "AlertsConfig", "MonitorConfig", "CheckpointConfig", "Config", "DataConfig", "LogConfig", "ModelConfig", "OptimConfig",
     "ParallelConfig", "PrecisionConfig", "RunConfig", "ScheduleConfig", "SourceConfig",
-    "TokenizerConfig", "TrainConfig", "dump_toml", "load_config", "parse_override",
+    "TokenizerConfig", "TrainConfig", "dotted_keys", "dump_toml", "load_config", "parse_override",
 ]

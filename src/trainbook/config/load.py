@@ -201,3 +201,18 @@ def _unknown_key(name: str, model: type[BaseModel] | None) -> str:
     close = difflib.get_close_matches(name, known, n=1)
     hint = f"; did you mean {close[0]!r}?" if close else f"; known keys: {', '.join(known)}"
     return f"unknown key {name!r}{hint}"
+
+
+def dotted_keys(tree: dict, prefix: str = "") -> dict:
+    """Nested dicts -> one level keyed by dotted paths: {"optim": {"lr": 1e-3}} -> {"optim.lr": 1e-3}.
+
+    The names `key=value` overrides use; checkpoints store their tensors under the same paths.
+    Lists (data.sources) stay whole values.
+    """
+    out = {}
+    for key, value in tree.items():
+        if isinstance(value, dict):
+            out.update(dotted_keys(value, f"{prefix}{key}."))
+        else:
+            out[f"{prefix}{key}"] = value
+    return out

@@ -101,18 +101,6 @@ class RunRecord:
         return node
 
 
-def flat_config(tree: dict, prefix: str = "") -> dict:
-    """{"optim": {"lr": 1e-3}} -> {"optim.lr": 1e-3}; lists (data.sources) stay whole values."""
-    out = {}
-    for key, value in tree.items():
-        dotted = f"{prefix}{key}"
-        if isinstance(value, dict):
-            out.update(flat_config(value, dotted + "."))
-        else:
-            out[dotted] = value
-    return out
-
-
 def is_run_dir(path: Path) -> bool:
     return (path / RUN_MARKER).is_file()
 

@@ -12,7 +12,8 @@ from __future__ import annotations
 import statistics
 from dataclasses import dataclass
 
-from trainbook.monitor.archive import RunRecord, flat_config
+from trainbook.config import dotted_keys
+from trainbook.monitor.archive import RunRecord
 
 # metric -> (label, source, lower is better, kind): curves compare at a point, rates by median.
 METRICS = {
@@ -53,7 +54,7 @@ def run_labels(runs: list[RunRecord]) -> list[str]:
 def config_differences(runs: list[RunRecord]) -> dict[str, list]:
     """Dotted key -> one value per run (None where a run lacks the key), for keys that differ.
     `run.name` and `run.runs_root` only say where a run went: they are left out."""
-    flats = [flat_config(r.config) for r in runs]
+    flats = [dotted_keys(r.config) for r in runs]
     keys = sorted(set().union(*flats) - {"run.runs_root"})
     return {k: [f.get(k) for f in flats] for k in keys if len({repr(f.get(k)) for f in flats}) > 1}
 

@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 
 from trainbook.errors import TrainbookError
-from trainbook.monitor.archive import find_runs, flat_config, load_run
+from trainbook.config import dotted_keys
+from trainbook.monitor.archive import find_runs, load_run
 
 HOST = socket.gethostname()
 
@@ -87,7 +88,7 @@ def test_summary_facts_and_lenient_lines(tmp_path):
     assert run.final_loss == pytest.approx(5.6) and run.final_val_loss == pytest.approx(6.1)
     assert run.tokens_per_s == pytest.approx(1003.0) and run.tokens_per_step == 256
     assert run.layers == [] and run.name == "unit" and run.started == 1.0e9
-    assert flat_config(run.config) == {"run.name": "unit", "train.max_steps": 4, "optim.lr": 1e-3}
+    assert dotted_keys(run.config) == {"run.name": "unit", "train.max_steps": 4, "optim.lr": 1e-3}
 
 
 def test_not_a_run_directory(tmp_path):
