@@ -55,51 +55,26 @@ def block_of(name: str) -> str:
     return parts[0] if parts else name
 
 
-def _local(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if hasattr(t, "to_local") else t
-
-
-def _settled(t: torch.Tensor) -> torch.Tensor:
-    """A DTensor with pending sums (a Partial gradient: tensor-parallel ranks each hold a share of
-    a replicated weight's gradient) summed into a replica; any other tensor as it is."""
-    placements = getattr(t, "placements", None)
-    if placements is None or not any(p.is_partial() for p in placements):
-        return t
-    from torch.distributed.tensor import Replicate
-
-    return t.redistribute(t.device_mesh, [Replicate() if p.is_partial() else p for p in placements])
-
-
-def _sq(t: torch.Tensor | None) -> float:
-    """The squared L2 norm of a whole tensor: a DTensor's over all its shards (DTensor's own
-    reduction, which knows its placements), a plain one's as it is."""
+def _sq(t: torch.Tensor | None, device: torch.device) -> torch.Tensor:
+    """The squared L2 norm of a whole tensor (float64, 0-d): a DTensor's over all its shards, by
+    DTensor's own reduction, which knows its placements (a 2-D FSDP x TP weight's, or the
+    Replicate-labelled gradient torch gives a tensor-parallel embedding), as clipping takes it."""
     if t is None:
-        return 0.0
+        return torch.zeros((), dtype=torch.float64, device=device)
     if hasattr(t, "full_tensor"):
-        return torch.linalg.vector_norm(t, dtype=torch.float64).full_tensor().square().item()
-    return t.double().square().sum().item()
-
-
-def _sharded_groups(t: torch.Tensor) -> tuple:
-    """The process groups a tensor's shards are spread over (none for a plain or replicated one)."""
-    placements = getattr(t, "placements", None)
-    if placements is None:
-        return ()
-    mesh = t.device_mesh
-    return tuple(mesh.get_group(d) for d, p in enumerate(placements) if p.is_shard() and mesh.size(d) > 1)
+        return torch.linalg.vector_norm(t, dtype=torch.float64).full_tensor().square()
+    return t.double().square().sum()
 
 
 class _ActStats:
     """Running sums of one block's output over a step: count, sum, sum of squares, max |x|, zeros."""
 
-    def __init__(self, device: torch.device, groups: tuple):
-        self.groups = groups
-        """The process groups the output is sharded over (sequence parallel), beside data parallel."""
+    def __init__(self, device: torch.device):
         self.sums = torch.zeros(4, dtype=torch.float64, device=device)  # count, sum, sumsq, zeros
         self.max_abs = torch.zeros((), dtype=torch.float64, device=device)
 
     def add(self, x: torch.Tensor) -> None:
-        x = _local(x).detach()
+        x = x.detach()
         xd = x.double()
         self.sums += torch.stack([
             torch.tensor(x.numel(), dtype=torch.float64, device=x.device), xd.sum(),
@@ -112,7 +87,7 @@ class LayerStats:
     `observe_grads` before clipping, `before_update` before the optimizer step and `finish` after
     it, on every rank (the reductions are collectives)."""
 
-    def __init__(self, model: nn.Module | list[nn.Module], optimizer: torch.optim.Optimizer, rt: Runtime,
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, rt: Runtime,
                  every: int, activations: bool = True, copies: tuple = (),
                  training_forward: Callable[[], bool] = torch.is_grad_enabled):
         """`copies`: parameters another rank holds and reports too (a pipeline's last-stage copy
@@ -121,10 +96,9 @@ class LayerStats:
         self.training_forward = training_forward
         self.rt = rt
         self.every = every
-        modules = model if isinstance(model, list) else [model]
+        self.device = rt.device
         skip = {id(p) for p in copies}
-        self.named = [(n, p) for m in modules for n, p in m.named_parameters()
-                      if p.requires_grad and id(p) not in skip]
+        self.named = [(n, p) for n, p in model.named_parameters() if p.requires_grad and id(p) not in skip]
         group_of = {}
         for group in optimizer.param_groups:
             name = "decay" if group.get("weight_decay", 0.0) > 0 else "no_decay"
@@ -135,14 +109,12 @@ class LayerStats:
         self.armed = False
         self.acts: dict[str, _ActStats] = {}
         self.hooks = []
-        self.activations = activations
         if activations:
-            for m in modules:
-                for name, module in m.named_modules():
-                    parts = [p for p in name.split(".") if p not in _WRAPPERS]
-                    if len(parts) >= 2 and parts[-2] == "layers" and parts[-1].isdigit():
-                        self.hooks.append(module.register_forward_hook(self._hook(f"layers.{parts[-1]}")))
-        self._grad_sq: list[float] | None = None
+            for name, module in model.named_modules():
+                parts = [p for p in name.split(".") if p not in _WRAPPERS]
+                if len(parts) >= 2 and parts[-2] == "layers" and parts[-1].isdigit():
+                    self.hooks.append(module.register_forward_hook(self._hook(f"layers.{parts[-1]}")))
+        self._grad_sq: list[torch.Tensor] | None = None
         self._before: list[torch.Tensor] | None = None
 
     def due(self, step: int) -> bool:
@@ -153,9 +125,9 @@ class LayerStats:
             # Training forwards only: not an evaluation, not a pipeline's shape inference.
             if not self.armed or not self.training_forward():
                 return
-            out = _settled(output[0] if isinstance(output, tuple) else output)
+            out = output[0] if isinstance(output, tuple) else output
             if block not in self.acts:
-                self.acts[block] = _ActStats(_local(out).device, _sharded_groups(out))
+                self.acts[block] = _ActStats(out.device)
             self.acts[block].add(out)
         return hook
 
@@ -168,13 +140,11 @@ class LayerStats:
         """Gradients are final (reduced, unscaled) and not yet clipped: measure them."""
         if not self.armed:
             return
-        # A DTensor gradient's norm through DTensor itself, as clipping measures it: its placements
-        # may not be its parameter's (torch gives a tensor-parallel embedding a Replicate gradient
-        # whose shards still need summing), and DTensor's reduction knows what to sum.
-        self._grad_sq = [_sq(p.grad) for _, p in self.named]
+        self._grad_sq = [_sq(p.grad, self.device) for _, p in self.named]
 
     def before_update(self) -> None:
-        """The weights as they are before the optimizer step (local shards)."""
+        """A copy of the weights as they are before the optimizer step (this rank's shards: one
+        more copy of them, on due steps only)."""
         if self.armed:
             self._before = [p.detach().clone() for _, p in self.named]
 
@@ -187,11 +157,12 @@ class LayerStats:
         if self._before is None:  # the step was skipped (fp16 overflow): weights unchanged
             self._before = [p.detach().clone() for p in params]
         before, n = self._before, len(params)
-        # Norms through DTensor itself (sharded weights: FSDP, TP, both), one per parameter.
-        sums = [_sq(b) for b in before] + [_sq(p.detach() - b) for p, b in zip(params, before)]
-        grad_sq = self._grad_sq or [0.0] * n
+        grad_sq = self._grad_sq or [_sq(None, self.device)] * n
+        squares = torch.stack(grad_sq + [_sq(b, self.device) for b in before]
+                              + [_sq(p.detach() - b, self.device) for p, b in zip(params, before)])
         self._grad_sq, self._before = None, None
-        rows = list(zip(grad_sq, sums[:n], sums[n:]))
+        values = squares.tolist()  # one device sync for all of them
+        rows = list(zip(values[:n], values[n:2 * n], values[2 * n:]))
         coord = self.rt.dims.coordinate(self.rt.rank)
         mine = {
             "blocks": _sum_by(self.block_of, rows), "groups": _sum_by(self.group_of, rows),
@@ -226,11 +197,13 @@ class LayerStats:
         sums = torch.stack([self.acts[b].sums for b in names])
         max_abs = torch.stack([self.acts[b].max_abs for b in names])
         if self.rt.distributed:
-            # Every block of a stage is sharded alike: a sequence-sharded DTensor names its groups;
-            # a local tensor between tensor-parallel blocks is a sequence slice too.
-            dims = ("dp_replicate", "dp_shard") + (() if self.acts[names[0]].groups else ("tp",))
-            groups = [self.rt.mesh[d].get_group() for d in dims if self.rt.dims.sizes()[d] > 1]
-            for group in list(self.acts[names[0]].groups) + groups:
+            # Data-parallel ranks saw other samples; tensor-parallel ones hold other positions of
+            # the sequence (between blocks the residual stream is sequence-sharded, parallel/apply.py).
+            sizes = self.rt.dims.sizes()
+            for dim in ("dp_replicate", "dp_shard", "tp"):
+                if sizes[dim] == 1:
+                    continue
+                group = self.rt.mesh[dim].get_group()
                 dist.all_reduce(sums, group=group)
                 dist.all_reduce(max_abs, op=dist.ReduceOp.MAX, group=group)
         out = {}
