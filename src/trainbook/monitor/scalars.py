@@ -10,6 +10,29 @@ from __future__ import annotations
 import math
 
 from trainbook.monitor.report import EvalReport, LayerReport, StepReport
+from trainbook.monitor.sinks import Sink, due
+
+
+class ScalarSink(Sink):
+    """A sink that takes these maps: step scalars at the logging cadence (the steps metrics.jsonl
+    has), every evaluation, every layer-statistics step, each as `log(values, step, time)`."""
+
+    def __init__(self, every_steps: int, max_steps: int):
+        self.every_steps = every_steps
+        self.max_steps = max_steps
+
+    def log(self, values: dict[str, float], step: int, time: float) -> None:
+        raise NotImplementedError
+
+    def on_step(self, report: StepReport) -> None:
+        if due(report.step, self.every_steps, self.max_steps):
+            self.log(step_scalars(report), report.step, report.time)
+
+    def on_eval(self, report: EvalReport) -> None:
+        self.log(eval_scalars(report), report.step, report.time)
+
+    def on_layers(self, report: LayerReport) -> None:
+        self.log(layer_scalars(report), report.step, report.time)
 
 
 def step_scalars(r: StepReport) -> dict[str, float]:

@@ -11,31 +11,22 @@ from pathlib import Path
 
 import numpy as np
 
-from trainbook.monitor.report import Alert, EvalReport, LayerReport, StepReport
-from trainbook.monitor.scalars import eval_scalars, layer_scalars, layer_series, step_scalars
-from trainbook.monitor.sinks import Sink, due
+from trainbook.monitor.report import Alert, LayerReport
+from trainbook.monitor.scalars import ScalarSink, layer_series
 
 
-class TensorBoardSink(Sink):
+class TensorBoardSink(ScalarSink):
     def __init__(self, log_dir: Path, every_steps: int, max_steps: int):
         from torch.utils.tensorboard import SummaryWriter
 
+        super().__init__(every_steps, max_steps)
         # A resumed run appends a new event file to the same directory; TensorBoard merges them.
         self._writer = SummaryWriter(log_dir=str(log_dir))
-        self.every_steps = every_steps
-        self.max_steps = max_steps
-
-    def on_step(self, report: StepReport) -> None:
-        if due(report.step, self.every_steps, self.max_steps):
-            self._scalars(step_scalars(report), report.step, report.time)
-
-    def on_eval(self, report: EvalReport) -> None:
-        self._scalars(eval_scalars(report), report.step, report.time)
 
     def on_layers(self, report: LayerReport) -> None:
         for stat, values in layer_series(report).items():
             self._writer.add_histogram(f"layers/{stat}", np.asarray(values), report.step, walltime=report.time)
-        self._scalars(layer_scalars(report), report.step, report.time)
+        super().on_layers(report)
 
     def on_alert(self, alert: Alert) -> None:
         self._writer.add_text(f"alerts/{alert.rule}", alert.message, alert.step, walltime=alert.time)
@@ -43,7 +34,7 @@ class TensorBoardSink(Sink):
     def close(self) -> None:
         self._writer.close()
 
-    def _scalars(self, values: dict[str, float], step: int, walltime: float) -> None:
+    def log(self, values: dict[str, float], step: int, walltime: float) -> None:
         for tag, value in values.items():
             # A float64 tensor, not the legacy float32 `simple_value`: read back, a value equals
             # the one in metrics.jsonl.

@@ -20,9 +20,8 @@ from collections import Counter
 from pathlib import Path
 
 from trainbook.errors import TrainbookError
-from trainbook.monitor.report import Alert, EvalReport, LayerReport, StepReport
-from trainbook.monitor.scalars import eval_scalars, layer_scalars, step_scalars
-from trainbook.monitor.sinks import Sink, due
+from trainbook.monitor.report import Alert
+from trainbook.monitor.scalars import ScalarSink
 
 EXTRAS = {"wandb": "wandb", "mlflow": "mlflow"}
 """Config key under `monitor.` -> the module it needs (`pip install 'trainbook[<key>]'`)."""
@@ -43,27 +42,12 @@ def tracker_run_id(run_dir: Path) -> str:
     return hashlib.sha256(str(run_dir.resolve()).encode()).hexdigest()[:16]
 
 
-class TrackerSink(Sink):
-    """Scalars at the logging cadence, evaluations, layer statistics and the count of each alert
-    rule's firings (`alerts/<rule>`), as `log(values, step, time)`."""
+class TrackerSink(ScalarSink):
+    """The scalars, plus the count of each alert rule's firings (`alerts/<rule>`)."""
 
     def __init__(self, every_steps: int, max_steps: int):
-        self.every_steps = every_steps
-        self.max_steps = max_steps
+        super().__init__(every_steps, max_steps)
         self._alerts: Counter[str] = Counter()
-
-    def log(self, values: dict[str, float], step: int, time: float) -> None:
-        raise NotImplementedError
-
-    def on_step(self, report: StepReport) -> None:
-        if due(report.step, self.every_steps, self.max_steps):
-            self.log(step_scalars(report), report.step, report.time)
-
-    def on_eval(self, report: EvalReport) -> None:
-        self.log(eval_scalars(report), report.step, report.time)
-
-    def on_layers(self, report: LayerReport) -> None:
-        self.log(layer_scalars(report), report.step, report.time)
 
     def on_alert(self, alert: Alert) -> None:
         self._alerts[alert.rule] += 1
