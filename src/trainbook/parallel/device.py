@@ -34,9 +34,18 @@ def peak_memory_bytes(device: torch.device) -> int:
         return torch.cuda.max_memory_allocated(device)
     if device.type == "npu":
         return torch.npu.max_memory_allocated(device)
+    # Linux: this process image's high-water RSS. Not getrusage's ru_maxrss, which keeps across
+    # exec the peak of the image it replaced: a run started by a large parent would report it.
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024  # kB
+    except OSError:
+        pass
     import resource  # POSIX only; imported here so the module imports elsewhere
 
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux and BSD: KiB
 
 
 def device_memory_bytes(device: torch.device, processes: int) -> int:
