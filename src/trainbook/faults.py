@@ -24,8 +24,12 @@ Two kinds of point:
                         (default 10) times as long as the recent clean ones, on any machine;
   `data.random_batch`   the step's batches hold uniformly random token ids (a loss and gradient
                         spike; from a step on, `@N+`, training on noise: validation regresses);
+  `data.skew_mix`       the step's rows from any source but the recipe's first are replaced by rows
+                        of the first source (the mixture trained on drifts from its weights);
   `train.leak`          each step keeps a new `TRAINBOOK_FAULT_BYTES` (default 16 MiB) allocation
-                        alive on the training device (a memory leak).
+                        alive on the training device (a memory leak);
+  `host.contend`        from its first step, `TRAINBOOK_FAULT_HOGS` (default 3 per usable CPU)
+                        processes spin on the CPUs until the training process ends (contention).
 """
 
 from __future__ import annotations

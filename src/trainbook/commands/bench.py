@@ -85,9 +85,8 @@ def training_rate(cfg: Config, data: Prepared, device: torch.device, probe_steps
     })
     with tempfile.TemporaryDirectory() as run_dir:
         trainer = Trainer(probe, Path(run_dir), data, device)
-        batches = iter(trainer.train_loader)
-        trainer.advance(batches)  # warm-up
-        rates = [trainer.advance(batches).tokens_per_s for _ in range(probe_steps)]
+        trainer.advance()  # warm-up
+        rates = [trainer.advance().tokens_per_s for _ in range(probe_steps)]
         trainer.close()
     return statistics.median(rates), f"a {probe_steps}-step training probe"
 

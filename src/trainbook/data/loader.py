@@ -13,7 +13,9 @@ then restarts RoPE positions and stops attention at those boundaries (model/llam
 
 Order. `mixture.MixtureOrder` maps every global sample index g to (source, sample) as a pure
 function of (weights, source sizes, seed): weighted stride-scheduled interleave of the sources,
-a fresh seeded permutation per epoch of each source (see its module docstring).
+a fresh seeded permutation per epoch of each source (see its module docstring). Each batch
+names the source of every row (`Batch.sources`), so the trainer counts the mixture training
+really took (`DeliveredMix`), not the one planned.
 
 Data parallel. Micro-batch k of rank r is global samples [(k * world_size + r) * B, + B): ranks
 are disjoint and together complete. The whole state is `consumed`, the global samples taken by
@@ -49,6 +51,7 @@ class Batch(NamedTuple):
     inputs: torch.Tensor  # (B, T) int64
     targets: torch.Tensor  # (B, T) int64, inputs shifted by one
     positions: torch.Tensor | None = None  # (B, T) int64 for document packing, else None
+    sources: torch.Tensor | None = None  # (B,) int64: each row's training source (recipe order)
 
 
 def num_samples(stream: TokenStream, seq_len: int) -> int:
@@ -108,7 +111,7 @@ class BatchReader(Dataset):
         for s in np.unique(source):  # one fancy-index read per source in the batch
             rows = source == s
             tokens[rows] = self.streams[s].take(ids[rows] * self.seq_len, self.seq_len + 1)
-        return to_batch(tokens, self.eos_id)
+        return to_batch(tokens, self.eos_id)._replace(sources=torch.from_numpy(source))
 
     def __len__(self) -> int:  # endless in practice; DataLoader asks only for the sampler's items
         return 1 << 62
@@ -253,19 +256,43 @@ class TrainLoader:
         self._epochs = self.order.epochs_started(self.consumed)
         self._worker_iter = None  # batches prefetched from the old position are dropped
 
-    def mixture_report(self) -> dict[str, dict[str, float]]:
-        """Per source: its target weight share and its actual share of the tokens consumed."""
-        counts = self.order.consumed_per_source(self.consumed)
+    def mixture_share(self, rows: np.ndarray) -> dict[str, dict[str, float]]:
+        """Per source: its target share (from the weights) and its `actual` share of `rows`, the
+        rows of each source (S,) that training took (counted by `DeliveredMix`)."""
         weights = self.order.weights / self.order.weights.sum()
+        total = int(rows.sum())
         return {
-            name: {"target": float(w), "actual": float(c / self.consumed) if self.consumed else 0.0}
-            for name, w, c in zip(self.names, weights, counts)
+            name: {"target": float(w), "actual": float(n / total) if total else 0.0, "rows": int(n)}
+            for name, w, n in zip(self.names, weights, rows)
         }
 
     def close(self) -> None:
         """Stop the worker processes (they also stop when the loader is garbage-collected)."""
         self._worker_iter = None
         self._workers = None
+
+
+class DeliveredMix:
+    """Passes batches through, counting the rows of each training source among them: what the
+    step really took, after everything between the loader and the step (not the planned order).
+    `take()` returns the counts (S,) since the last call."""
+
+    def __init__(self, batches: Iterator[Batch], num_sources: int):
+        self.batches = batches
+        self.rows = np.zeros(num_sources, dtype=np.int64)
+
+    def __iter__(self) -> DeliveredMix:
+        return self
+
+    def __next__(self) -> Batch:
+        batch = next(self.batches)
+        if batch.sources is not None:
+            self.rows += np.bincount(batch.sources.numpy(), minlength=len(self.rows))
+        return batch
+
+    def take(self) -> np.ndarray:
+        rows, self.rows = self.rows, np.zeros_like(self.rows)
+        return rows
 
 
 def check_train_split(streams: dict[str, TokenStream], seq_len: int, micro_batch_size: int,

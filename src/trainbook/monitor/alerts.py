@@ -8,15 +8,21 @@ Rules (ids are `alerts.rules` values, all on by default):
   (median/MAD of their residuals around a Theil-Sen trend line, so a fast-falling early loss is
   not noise), above `loss_spike_z` / `grad_spike_z`. Only rises count.
 - `throughput_drop`: tokens/s (the median of the last 3 steps) below `throughput_drop` times the
-  rolling median of the window.
+  rolling median of the window. When the training thread spent half or more of those steps
+  waiting for a CPU (monitor/host.py), the message says so: the machine is busy with other work,
+  and the run itself is not to blame.
 - `memory_growth`: peak memory rose at three quarters of the window's steps or more and by more
   than `memory_growth_bytes_per_step` per step over the window (a leak, not one-off growth).
 - `val_regression`: validation loss `val_regression` (a fraction) above its best so far.
-- `mix_drift`: a source's share of the tokens consumed is `mix_drift` (absolute) off its target.
+- `mix_drift`: a source's share of the rows training took (counted as delivered, all ranks;
+  data/loader.py `DeliveredMix`) is `mix_drift` (absolute) off its weight's share, over the most
+  recent records that together hold at least 4 / `mix_drift` rows. The mixture's stride schedule
+  keeps any run of n rows within 2 rows per source of the weights, so a correct loader stays within
+  `mix_drift` / 2 and is never judged on too few rows.
 - `stall`: no step finished for `stall_s` seconds. A heartbeat thread watches, so the alert
   comes while the loop is stuck, and says the phase and step the phase tracker shows.
 
-Warm-up: the rules that compare with history (spikes, throughput, memory, mixture) judge a step
+Warm-up: the rules that compare with history (spikes, throughput, memory) judge a step
 only once the LR warmup is over (the LR stopped rising) and `window` steps have been seen since;
 the first steps of a run (allocator, optimizer state, compilation) and the warmup's large early
 updates are never judged. A rule fires again only `repeat_after_s` after it last fired.
@@ -42,6 +48,7 @@ if TYPE_CHECKING:
 
 MAD_TO_SIGMA = 1.4826  # MAD of a normal distribution times this is its standard deviation
 RECENT = 3  # steps whose median throughput is compared with the window's
+STARVED = 0.5  # share of a step waiting for a CPU that names contention as the cause of a drop
 
 
 def robust_z(value: float, history: deque[float]) -> tuple[float, float]:
@@ -79,7 +86,9 @@ class AlertRules(Sink):
         self._last_fired: dict[str, float] = {}
         self._last_lr: float | None = None
         self._warm_steps = 0  # steps seen since the LR warmup ended
-        self._history = {key: deque(maxlen=cfg.window) for key in ("loss", "grad_norm", "tokens_per_s", "mem")}
+        self._history = {key: deque(maxlen=cfg.window)
+                         for key in ("loss", "grad_norm", "tokens_per_s", "mem", "cpu_wait")}
+        self._mix_rows: deque[dict[str, dict]] = deque()  # the newest data_mix records that judge the mixture
         self._best_val: float | None = None
         self._last_progress = time.monotonic()
         self._stop = threading.Event()
@@ -98,6 +107,7 @@ class AlertRules(Sink):
             self._fire("nonfinite", r.grad_norm, r.step, f"gradient norm is {r.grad_norm} (loss {r.loss:.4f})")
         if self._warmed_up(r):
             self._judge_history(r)
+        self._judge_mix(r)
         self._remember(r)
 
     def on_eval(self, r: EvalReport) -> None:
@@ -142,11 +152,14 @@ class AlertRules(Sink):
         median_tps = statistics.median(h["tokens_per_s"])
         recent = statistics.median([*list(h["tokens_per_s"])[-(RECENT - 1):], r.tokens_per_s])
         if recent < c.throughput_drop * median_tps:
+            waits = [w for w in [*list(h["cpu_wait"])[-(RECENT - 1):], r.cpu_wait_share] if w is not None]
+            busy = statistics.median(waits) if waits else 0.0
+            cause = (f"; the training thread waited for a CPU {busy:.0%} of that time: the machine is busy "
+                     "with other work" if busy >= STARVED else "")
             self._fire("throughput_drop", recent, r.step,
                        f"{recent:,.0f} tokens/s over the last {RECENT} steps is {recent / median_tps:.0%} of the "
-                       f"rolling median {median_tps:,.0f}", threshold=c.throughput_drop * median_tps)
+                       f"rolling median {median_tps:,.0f}{cause}", threshold=c.throughput_drop * median_tps)
         self._judge_memory(r)
-        self._judge_mix(r)
 
     def _judge_memory(self, r: StepReport) -> None:
         mem = [*self._history["mem"], r.mem_peak_bytes]
@@ -158,11 +171,25 @@ class AlertRules(Sink):
                        f"the last {len(mem) - 1} steps (now {r.mem_peak_bytes / 2**30:.2f} GiB)", threshold=limit)
 
     def _judge_mix(self, r: StepReport) -> None:
-        for source, share in (r.data_mix or {}).items():
-            off = share["actual"] - share["target"]
-            if abs(off) > self.cfg.mix_drift:
-                self._fire("mix_drift", share["actual"], r.step, f"source '{source}' is {share['actual']:.1%} of "
-                           f"the tokens consumed, its weight asks {share['target']:.1%}", threshold=self.cfg.mix_drift)
+        if not r.data_mix:
+            return
+        need = 4 / self.cfg.mix_drift
+        self._mix_rows.appendleft(r.data_mix)
+        total = 0
+        for kept, mix in enumerate(self._mix_rows, 1):  # newest first, until enough rows
+            total += sum(m["rows"] for m in mix.values())
+            if total >= need:
+                break
+        else:
+            return
+        while len(self._mix_rows) > kept:
+            self._mix_rows.pop()
+        shares = {source: (sum(mix[source]["rows"] for mix in self._mix_rows) / total, m["target"])
+                  for source, m in r.data_mix.items()}
+        source, (share, target) = max(shares.items(), key=lambda item: abs(item[1][0] - item[1][1]))
+        if abs(share - target) > self.cfg.mix_drift:  # the source furthest off speaks for the mixture
+            self._fire("mix_drift", share, r.step, f"source '{source}' is {share:.1%} of the last {total:,} "
+                       f"rows trained on, its weight asks {target:.1%}", threshold=self.cfg.mix_drift)
 
     def _remember(self, r: StepReport) -> None:
         h = self._history
@@ -172,6 +199,7 @@ class AlertRules(Sink):
             h["grad_norm"].append(r.grad_norm)
         h["tokens_per_s"].append(r.tokens_per_s)
         h["mem"].append(r.mem_peak_bytes)
+        h["cpu_wait"].append(r.cpu_wait_share)
 
     # ---- stall: the heartbeat thread ------------------------------------------------------
 

@@ -30,6 +30,7 @@ METRICS: dict[str, tuple[str, str, tuple[str, ...]]] = {
     "trainbook_step_time_seconds": ("gauge", "Wall time of the last step", ()),
     "trainbook_phase_seconds": ("gauge", "Seconds of the last step spent in each phase", ("phase",)),
     "trainbook_data_wait_share": ("gauge", "Share of the last step spent waiting for data", ()),
+    "trainbook_cpu_wait_share": ("gauge", "Share of the last step the training thread waited for a CPU", ()),
     "trainbook_memory_peak_bytes": ("gauge", "Peak device memory of the last step", ()),
     "trainbook_loss_scale": ("gauge", "fp16 loss scale of the last step", ()),
     "trainbook_skipped_steps": ("gauge", "fp16 steps skipped so far (gradient overflow)", ()),
@@ -101,6 +102,7 @@ class PrometheusSink(Sink):
         for phase, seconds in r.phases.items():
             self._set("trainbook_phase_seconds", seconds, phase=phase)
         self._set("trainbook_data_wait_share", r.data_wait_share)
+        self._set("trainbook_cpu_wait_share", r.cpu_wait_share)
         self._set("trainbook_memory_peak_bytes", r.mem_peak_bytes)
         self._set("trainbook_loss_scale", r.loss_scale)
         self._set("trainbook_skipped_steps", r.skipped_steps)

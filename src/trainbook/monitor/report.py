@@ -47,13 +47,17 @@ class StepReport:
     """fp16: steps skipped so far because their gradients overflowed; None without loss scaling."""
     time: float = 0.0
     data_mix: dict | None = None
-    """Per training source: {"target": weight share, "actual": share of the tokens consumed}."""
+    """Per training source: {"target": its weight's share, "actual": its share of the rows all
+    ranks' steps took since the previous record, "rows": those rows}; at the logging cadence only."""
     skipped: bool = False
     """fp16: this step's gradients overflowed and its update was dropped (counted in skipped_steps)."""
     mfu: float | None = None
     """Model FLOPs utilisation (monitor/flops.py); None when the device's peak is unknown."""
     data_wait_share: float = 0.0
     """Share of the step spent waiting for data (phases["data"] / step_time_s)."""
+    cpu_wait_share: float | None = None
+    """Share of the step the training thread was ready to run but waited for a CPU (another
+    process held it; monitor/host.py); None where the OS does not say."""
     ranks: RankSpread | None = None
     """Every rank's step time, data wait and peak memory; gathered at the logging cadence only
     (None on other steps and in one process)."""

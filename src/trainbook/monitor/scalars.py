@@ -45,6 +45,7 @@ def step_scalars(r: StepReport) -> dict[str, float]:
         "train/step_time_s": r.step_time_s,
         "train/mfu": r.mfu,
         "train/data_wait_share": r.data_wait_share,
+        "train/cpu_wait_share": r.cpu_wait_share,
         "train/mem_peak_bytes": r.mem_peak_bytes,
         "train/loss_scale": r.loss_scale,
         "train/skipped_steps": r.skipped_steps,

@@ -11,6 +11,8 @@ from __future__ import annotations
 import os
 import re
 import statistics
+import subprocess
+import sys
 import time
 from collections import deque
 from collections.abc import Iterator
@@ -48,7 +50,11 @@ class FaultyBatches:
     each step; `data.slow_batch` delays that batch by (TRAINBOOK_FAULT_SLOWDOWN - 1, default 9)
     times the median duration of the last clean steps, so the step is that many times slower on any machine;
     `data.random_batch` replaces the step's batches with random ids below `vocab_size`;
-    `train.leak` keeps an allocation alive per step on `device`.
+    `data.skew_mix` replaces every row of a batch that is not from the first source with a row
+    of the first source from the same batch (a reader that loses a source and refills);
+    `train.leak` keeps an allocation alive per step on `device`; `host.contend` starts, at its
+    first step, `TRAINBOOK_FAULT_HOGS` (default 3 per CPU this process may use) processes that
+    spin on the CPUs until this process ends (a neighbour's job on the node).
     """
 
     def __init__(self, batches: Iterator[Batch], tracker: PhaseTracker, vocab_size: int, device: torch.device):
@@ -61,10 +67,12 @@ class FaultyBatches:
         self._step_started: float | None = None  # monotonic time the previous step took its first batch
         self._clean_steps_s: deque[float] = deque(maxlen=20)  # durations of the last undamaged steps
         self._leak_bytes = int(os.environ.get("TRAINBOOK_FAULT_BYTES", 16 << 20))
+        self._hogs: list[subprocess.Popen] = []
 
     @staticmethod
     def wanted() -> bool:
-        return any(fault_armed(p) for p in ("data.next_batch", "data.slow_batch", "data.random_batch", "train.leak"))
+        return any(fault_armed(p) for p in ("data.next_batch", "data.slow_batch", "data.random_batch",
+                                            "data.skew_mix", "train.leak", "host.contend"))
 
     def __iter__(self) -> FaultyBatches:
         return self
@@ -81,6 +89,8 @@ class FaultyBatches:
             if fault_active("data.slow_batch", step) and self._clean_steps_s:
                 slowdown = float(os.environ.get("TRAINBOOK_FAULT_SLOWDOWN", 10))
                 time.sleep((slowdown - 1) * statistics.median(self._clean_steps_s))
+            if fault_active("host.contend", step) and not self._hogs:
+                self._hogs = _start_hogs()
             if fault_active("train.leak", step):
                 # ones, not empty: on CPU only touched pages count in the resident set.
                 self.leaked.append(torch.ones(self._leak_bytes // 4, dtype=torch.float32, device=self.device))
@@ -89,5 +99,29 @@ class FaultyBatches:
             # Its own generator: the run's RNG streams (dropout, sampling) stay as they were.
             rng = torch.Generator().manual_seed(step)
             noise = torch.randint(0, self.vocab_size, (batch.inputs.shape[0], batch.inputs.shape[1] + 1), generator=rng)
-            batch = Batch(noise[:, :-1].contiguous(), noise[:, 1:].contiguous(), batch.positions)
+            batch = batch._replace(inputs=noise[:, :-1].contiguous(), targets=noise[:, 1:].contiguous())
+        if fault_active("data.skew_mix", step) and batch.sources is not None:
+            batch = _skewed(batch)
         return batch
+
+
+# Spins until its parent, the training process, is gone (however it ends: exit, kill, crash).
+_HOG = "import os, sys\nparent = int(sys.argv[1])\nwhile os.getppid() == parent: pass"
+
+
+def _start_hogs() -> list[subprocess.Popen]:
+    n = int(os.environ.get("TRAINBOOK_FAULT_HOGS", 3 * len(os.sched_getaffinity(0))))
+    return [subprocess.Popen([sys.executable, "-c", _HOG, str(os.getpid())], stdin=subprocess.DEVNULL,
+                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL) for _ in range(n)]
+
+
+def _skewed(batch: Batch) -> Batch:
+    """Every row of `batch` from a source other than the first becomes a copy of a first-source row
+    of the batch (cycling through them); a batch without one is left as it is."""
+    first = torch.nonzero(batch.sources == 0).flatten()  # (K,)
+    if len(first) == 0:
+        return batch
+    rows = torch.arange(len(batch.sources))
+    others = torch.nonzero(batch.sources != 0).flatten()
+    rows[others] = first[torch.arange(len(others)) % len(first)]
+    return Batch(*(None if t is None else t[rows] for t in batch))

@@ -15,7 +15,6 @@ import signal
 import socket
 import threading
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -25,6 +24,7 @@ import trainbook
 from trainbook.checkpoint import Checkpointer, any_rank, load_state, tensor_entries
 from trainbook.config import Config, dump_toml
 from trainbook.data import Prepared, TrainLoader, val_batches
+from trainbook.data.loader import DeliveredMix
 from trainbook.diagnose.layers import LayerStats
 from trainbook.diagnose.timeouts import explain_timeout
 from trainbook.errors import one_line
@@ -36,6 +36,7 @@ from trainbook.monitor import (
     setup_run_logger,
 )
 from trainbook.monitor.flops import device_peak, mfu, model_flops_per_token
+from trainbook.monitor.host import cpu_wait_s
 from trainbook.monitor.sinks import due
 from trainbook.parallel.apply import ApplyOptions, parallelize
 from trainbook.parallel.device import peak_memory_bytes
@@ -87,6 +88,7 @@ class Trainer:
         self.schedule = LRSchedule(cfg.schedule, cfg.optim.lr, cfg.train.max_steps)
         self.scaler = self.precision.loss_scaler()
         self.train_loader = self._build_train_loader(data)
+        self.batches = self._batches()
         self.val_batches = self._build_val_batches(data)
         self.logger, self.events, self.monitors = self._build_monitors()
         self.layer_stats = self._build_layer_stats()
@@ -147,6 +149,14 @@ class Trainer:
             on_reepoch=self._on_reepoch,
         )
 
+    def _batches(self) -> DeliveredMix:
+        """The loader's batches as the step takes them: through the data path's fault points when
+        TRAINBOOK_FAULT arms one, counted per source last (the mixture really trained on)."""
+        batches = iter(self.train_loader)
+        if FaultyBatches.wanted():
+            batches = FaultyBatches(batches, self.tracker, self.cfg.model.vocab_size, self.device)
+        return DeliveredMix(batches, len(self.train_loader.names))
+
     def _on_reepoch(self, source: str, epoch: int) -> None:
         # Called from inside a step's data phase, after the monitors exist.
         self.events.emit("reepoch", self.step, source=source, epoch=epoch)
@@ -190,15 +200,12 @@ class Trainer:
         """Train to `train.max_steps` (or until SIGTERM/SIGINT); returns a summary of the run."""
         t = self.cfg.train
         self._announce()
-        batches = iter(self.train_loader)
-        if FaultyBatches.wanted():  # TRAINBOOK_FAULT arms a fault of the data path
-            batches = FaultyBatches(batches, self.tracker, self.cfg.model.vocab_size, self.device)
         report, decision = None, Decision.CONTINUE
         try:
             last_eval = self._evaluate() if self.val_batches and self.step == 0 else None
             with self._signals_stop_the_loop():
                 while self.step < t.max_steps:
-                    report = self.advance(batches)
+                    report = self.advance()
                     if self.val_batches and (self.step % t.eval_every == 0 or self.step == t.max_steps):
                         last_eval = self._evaluate()
                     decision = self.decide(report)
@@ -220,7 +227,7 @@ class Trainer:
                 "val_loss": last_eval, "run_dir": str(self.run_dir),
                 "stopped_by": signal.Signals(self.stop_signal).name if self.stop_signal else None}
 
-    def advance(self, batches: Iterator) -> StepReport:
+    def advance(self) -> StepReport:
         """One optimizer step: set the LR, run train_step, count, and report to the monitors."""
         lr = self.schedule(self.step)
         for group in self.optimizer.param_groups:
@@ -228,15 +235,16 @@ class Trainer:
         stats = self.layer_stats if self.layer_stats is not None and self.layer_stats.due(self.step + 1) else None
         if stats is not None:
             stats.arm()
-        start = time.perf_counter()
+        start, waited = time.perf_counter(), cpu_wait_s()
         self.tracker.begin_step(self.step + 1)
         try:
-            result = train_step(self.engine, self.optimizer, batches, self.accum_steps, self.cfg.optim.grad_clip,
+            result = train_step(self.engine, self.optimizer, self.batches, self.accum_steps, self.cfg.optim.grad_clip,
                                 self.scaler, self.tracker, before_update=self._before_update,
                                 observe_grads=stats.observe_grads if stats is not None else None)
         except RuntimeError as e:
             raise self._explain(e) from e
         elapsed = time.perf_counter() - start
+        waited = None if waited is None else cpu_wait_s() - waited
         self.step += 1
         self.tokens += self.tokens_per_step  # a skipped step consumed its data too
         tokens_per_s, mem = self.tokens_per_step / elapsed, peak_memory_bytes(self.device)
@@ -244,11 +252,12 @@ class Trainer:
             step=self.step, tokens=self.tokens, loss=result.loss, lr=lr, grad_norm=result.grad_norm,
             tokens_per_s=tokens_per_s, step_time_s=elapsed, phases=result.phases,
             mem_peak_bytes=mem, time=time.time(),
-            data_mix=self.train_loader.mixture_report(), loss_scale=result.loss_scale,
+            loss_scale=result.loss_scale,
             skipped_steps=self.scaler.skipped if self.scaler.enabled else None, skipped=result.skipped,
             mfu=mfu(tokens_per_s, self.flops_per_token, self.peak, self.rt.world_size),
             data_wait_share=result.phases["data"] / elapsed,
-            ranks=self._rank_spread(elapsed, result.phases["data"], mem),
+            cpu_wait_share=None if waited is None else min(1.0, waited / elapsed),
+            **self._gather(elapsed, result.phases["data"], mem),
         )
         self.monitors.on_step(report)  # read-only consumers of the report
         if stats is not None:  # measured after the step's timing: not part of tokens/s
@@ -257,13 +266,22 @@ class Trainer:
                 self.monitors.on_layers(layers)
         return report
 
-    def _rank_spread(self, step_time: float, data_wait: float, mem: int) -> RankSpread | None:
-        """Every rank's step time, data wait and peak memory, at the logging cadence (a collective:
-        every rank decides the same steps)."""
-        if not self.rt.distributed or not due(self.step, self.cfg.log.every_steps, self.cfg.train.max_steps):
-            return None
-        rows = self.rt.all_gather_floats([step_time, data_wait, float(mem)])
-        return RankSpread([r[0] for r in rows], [r[1] for r in rows], [int(r[2]) for r in rows])
+    def _gather(self, step_time: float, data_wait: float, mem: int) -> dict:
+        """At the logging cadence: every rank's step time, data wait and peak memory (`ranks`,
+        when distributed), and the rows of each source all ranks took since the last time
+        (`data_mix`). One collective, on the steps every rank agrees are due."""
+        if not due(self.step, self.cfg.log.every_steps, self.cfg.train.max_steps):
+            return {}
+        rows = self.batches.take().tolist()
+        if not self.rt.distributed:
+            return {"data_mix": self.train_loader.mixture_share(np.array(rows))}
+        table = self.rt.all_gather_floats([step_time, data_wait, float(mem), *rows])
+        # Every rank of a data-parallel replica (its tp, cp and pp ranks) took the replica's rows.
+        replica = self.rt.world_size // self.rt.dims.dp
+        return {
+            "ranks": RankSpread([r[0] for r in table], [r[1] for r in table], [int(r[2]) for r in table]),
+            "data_mix": self.train_loader.mixture_share(np.array(table)[:, 3:].sum(axis=0).astype(np.int64) // replica),
+        }
 
     def decide(self, report: StepReport) -> Decision:
         """The one place where how a step went changes the course of the run.

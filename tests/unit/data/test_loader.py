@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from trainbook.data import TrainLoader, val_batches
-from trainbook.data.loader import Batch, document_positions
+from trainbook.data.loader import Batch, DeliveredMix, document_positions
 from trainbook.data.shards import ShardWriter, TokenStream
 from trainbook.errors import TrainbookError
 
@@ -78,19 +78,30 @@ def test_iteration_follows_the_global_order_a_pure_function(streams):
     assert _decode(next(far)) == _expected(far, np.arange(10**12, 10**12 + B))
 
 
-def test_mixture_report_and_proportions(streams):
+def test_delivered_rows_are_counted_per_source_and_match_the_weights(streams):
+    """Every batch names each row's source; DeliveredMix counts what passes through it, and any
+    run of n rows holds each source within 2 rows of its weight's share (the mix_drift rule's
+    premise, monitor/alerts.py)."""
     loader = _loader(streams)
-    assert all(v["actual"] == 0.0 for v in loader.mixture_report().values())
-    counts = np.zeros(3)
-    for _ in range(250):
-        for source, _ in _decode(next(loader)):
-            counts[source] += 1
-    report = loader.mixture_report()
-    assert list(report) == list(SIZES)
+    delivered = DeliveredMix(iter(loader), len(SIZES))
+    counts = np.zeros(3, dtype=np.int64)
+    for step in range(1, 251):
+        batch = next(delivered)
+        assert [s for s, _ in _decode(batch)] == batch.sources.tolist()
+        counts += np.bincount(batch.sources.numpy(), minlength=3)
+        if step % 10 == 0:  # 40 rows at a time, anywhere in the order
+            rows = delivered.take()
+            expect = np.array(list(WEIGHTS.values())) * 40
+            assert np.all(np.abs(rows - expect) <= 2), (step, rows)
+    assert delivered.take().tolist() == [0, 0, 0]  # take() starts the count again
+    share = loader.mixture_share(counts)
+    assert list(share) == list(SIZES)
     for k, name in enumerate(SIZES):
-        assert report[name]["target"] == pytest.approx(WEIGHTS[name])
-        assert report[name]["actual"] == counts[k] / 1000  # the tokens actually read
-        assert abs(report[name]["actual"] - WEIGHTS[name]) < 0.005
+        assert share[name]["target"] == pytest.approx(WEIGHTS[name])
+        assert share[name]["rows"] == counts[k]
+        assert share[name]["actual"] == counts[k] / 1000
+        assert abs(share[name]["actual"] - WEIGHTS[name]) < 0.005
+    assert loader.mixture_share(np.zeros(3, dtype=np.int64))["web"]["actual"] == 0.0  # nothing taken yet
 
 
 def test_reepoch_callback_reports_each_new_source_epoch_once(streams):
