@@ -183,11 +183,10 @@ class Trainer:
         every = self.cfg.monitor.layer_stats_every
         if every == 0:
             return None
-        # Forward hooks inside compiled blocks would be traced (and recompiled when armed).
         # A pipeline's last stage holds a copy of a tied embedding that the first stage reports.
         copies = self.engine.embeddings if self.engine.optim_aliases else ()
-        return LayerStats(self.model, self.optimizer, self.rt, every, activations=not self.cfg.train.compile,
-                          copies=copies, training_forward=self.engine.in_training_forward)
+        return LayerStats(self.model, self.optimizer, self.rt, every, copies=copies,
+                          training_forward=self.engine.in_training_forward)
 
     def _before_update(self) -> None:
         self.checkpointer.wait_staged()
