@@ -35,6 +35,7 @@ def attach_block_nan(model: nn.Module, tracker: PhaseTracker) -> None:
     if block is None:
         return
 
+    @torch.compiler.disable  # under train.compile too, an eager hook on the block's output
     def poison(module: nn.Module, args, output: torch.Tensor) -> torch.Tensor | None:
         if module.training and fault_active("model.block_nan", tracker.current().step):
             return output + float("nan")  # (B, T, dim), every element NaN
