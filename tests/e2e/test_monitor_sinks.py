@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import files_under, run_cli, run_cli_error, write_corpus, write_recipe
-from tests.wandb_log import wandb_history
+from tests.wandb_log import wandb_history, wandb_records
 
 pytestmark = pytest.mark.slow
 
@@ -80,6 +80,23 @@ def test_wandb_offline_run_holds_the_metrics(tracked_run):
     got = wandb_history(log)
     for tag, by_step in expected.items():
         assert got[tag] == by_step, tag
+
+
+def test_wandb_offline_run_of_two_processes_is_complete(tmp_path, recipe):
+    """Under torchrun rank 0 ends with `os._exit`, which W&B's own exit hook never sees: the file
+    still holds every step up to the last one, and the run's end (its exit record) last."""
+    run_dir = tmp_path / "run"
+    done = run_cli("run", str(recipe), "train.max_steps=3", "log.every_steps=1", "monitor.wandb=true",
+                   "--run-dir", str(run_dir), "--nproc", "2", cwd=tmp_path, env={"WANDB_MODE": "offline"})
+    assert done.returncode == 0, done.stderr
+    expected = expected_series(run_dir)
+    assert sorted(expected["train/loss"]) == [1, 2, 3] and sorted(expected["val/loss"]) == [0, 3]
+    [log] = (run_dir / "wandb").glob("offline-run-*/run-*.wandb")
+    got = wandb_history(log)
+    for tag, by_step in expected.items():
+        assert got.get(tag) == by_step, tag
+    *_, last = wandb_records(log)
+    assert last.WhichOneof("record_type") == "exit" and last.exit.exit_code == 0, last
 
 
 def test_mlflow_store_holds_the_metrics(tracked_run):

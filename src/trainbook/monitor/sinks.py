@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import sys
@@ -79,8 +80,11 @@ class Monitors(Sink):
             m.message(text)
 
     def close(self) -> None:
-        for m in reversed(self.monitors):
-            m.close()
+        """Last added, first closed; each even when one closed before it fails (an unreachable
+        tracking server must not leave the W&B run unfinished)."""
+        with contextlib.ExitStack() as stack:
+            for m in self.monitors:
+                stack.callback(m.close)
 
 
 class JsonlWriter:

@@ -74,7 +74,17 @@ class WandbSink(TrackerSink):
         self._run.log(values, step=self._step)
 
     def close(self) -> None:
+        """Leave the offline file complete: under torchrun, this process ends with `os._exit` next.
+
+        `finish` returns once the service has taken the run's last records, but the service writes
+        them to the file only when it closes the run, which `finish` asks for without waiting; a
+        service that sees this process gone first quits without writing them. `teardown` waits
+        until the service has closed every run and exited.
+        """
+        import wandb
+
         self._run.finish()
+        wandb.teardown()
 
 
 class MlflowSink(TrackerSink):

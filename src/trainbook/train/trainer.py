@@ -419,13 +419,16 @@ class Trainer:
         self.monitors.message(text)
 
     def close(self) -> None:
-        self.checkpointer.close()
-        if self.layer_stats is not None:
-            self.layer_stats.close()
-        self.train_loader.close()
-        self.monitors.close()
-        self.events.close()
-        close_run_logger(self.logger)
+        """Every part, each even when one closed before it fails (the checkpointer re-raises a failed
+        save): the monitors must finish their records before the process ends."""
+        with contextlib.ExitStack() as stack:  # closes last registered first: checkpointer ... logger
+            stack.callback(close_run_logger, self.logger)
+            stack.callback(self.events.close)
+            stack.callback(self.monitors.close)
+            stack.callback(self.train_loader.close)
+            if self.layer_stats is not None:
+                stack.callback(self.layer_stats.close)
+            stack.callback(self.checkpointer.close)
 
 
 def _process() -> dict:

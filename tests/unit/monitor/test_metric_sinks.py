@@ -16,6 +16,7 @@ from trainbook.errors import TrainbookError
 from trainbook.monitor import Alert, EvalReport, LayerReport, RankSpread, StepReport
 from trainbook.monitor.prometheus import METRICS, PrometheusSink, check_endpoint, exported_names
 from trainbook.monitor.scalars import step_scalars
+from trainbook.monitor.sinks import Monitors, Sink
 from trainbook.monitor.tensorboard import TensorBoardSink
 
 LAUNCH = Path(__file__).resolve().parents[3] / "launch"
@@ -161,3 +162,21 @@ def test_prometheus_scrape_config_parses():
     config = yaml.safe_load((LAUNCH / "prometheus.yml").read_text())
     [job] = config["scrape_configs"]
     assert job["job_name"] == "trainbook" and job["static_configs"][0]["targets"] == ["127.0.0.1:9400"]
+
+
+def test_monitors_close_every_monitor_when_one_fails():
+    closed = []
+
+    class Closing(Sink):
+        def __init__(self, name: str, fails: bool = False):
+            self.name, self.fails = name, fails
+
+        def close(self) -> None:
+            closed.append(self.name)
+            if self.fails:
+                raise OSError(f"{self.name} unreachable")
+
+    monitors = Monitors([Closing("metrics"), Closing("wandb"), Closing("mlflow", fails=True)])
+    with pytest.raises(OSError, match="mlflow unreachable"):
+        monitors.close()
+    assert closed == ["mlflow", "wandb", "metrics"]
