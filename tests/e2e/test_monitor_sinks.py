@@ -183,7 +183,11 @@ def test_prometheus_port_in_use_is_one_line_before_anything(tmp_path, recipe):
         taken.listen()
         port = taken.getsockname()[1]
         line = run_cli_error("run", str(recipe), f"monitor.prometheus_port={port}", cwd=tmp_path)
-    assert f"{recipe}: monitor.prometheus_port: cannot serve on port {port} of 127.0.0.1" in line
+        assert f"command line: monitor.prometheus_port: cannot serve on port {port} of 127.0.0.1" in line
+        in_file = tmp_path / "in-file.toml"
+        in_file.write_text(f'extends = "{recipe.name}"\n\n[monitor]\nprometheus_port = {port}\n')
+        line = run_cli_error("run", str(in_file), cwd=tmp_path)
+        assert f"{in_file}: monitor.prometheus_port: cannot serve on port {port} of 127.0.0.1" in line
     assert not (tmp_path / "runs").exists()
 
 

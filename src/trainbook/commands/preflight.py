@@ -16,6 +16,7 @@ from pathlib import Path
 from trainbook.checkpoint import InvalidCheckpoint, newest_valid, read_latest, step_of, verify
 from trainbook.commands.resolve import Resolved
 from trainbook.config import Config, dotted_keys
+from trainbook.config.load import COMMAND_LINE
 from trainbook.data import Prepared, check_train_split, check_val_split, prepare
 from trainbook.errors import TrainbookError
 from trainbook.monitor.external import check_sinks
@@ -51,7 +52,8 @@ def check_monitor(res: Resolved) -> None:
     try:
         check_sinks(res.cfg.monitor)
     except TrainbookError as e:
-        e.where = f"{res.recipe}: {e.where}"
+        overridden = any(item.partition("=")[0].strip() == e.where for item in res.overrides)
+        e.where = f"{COMMAND_LINE if overridden else res.recipe}: {e.where}"
         raise
 
 
