@@ -195,7 +195,7 @@ def test_prometheus_host_not_of_this_machine_is_one_line(tmp_path, recipe):
     # 192.0.2.1 is TEST-NET-1 (RFC 5737): never an address of this machine.
     line = run_cli_error("run", str(recipe), "monitor.prometheus_port=9", "monitor.prometheus_host=192.0.2.1",
                          cwd=tmp_path)
-    assert f"{recipe}: monitor.prometheus_host: cannot bind 192.0.2.1" in line
+    assert "command line: monitor.prometheus_host: cannot bind 192.0.2.1" in line
 
 
 @pytest.mark.parametrize("key", ["wandb", "mlflow"])
@@ -207,5 +207,5 @@ def test_missing_tracker_package_is_one_line(tmp_path, recipe, key):
                           cwd=tmp_path, capture_output=True, text=True, timeout=120)
     assert done.returncode == 2, (done.stdout, done.stderr)
     assert done.stderr.splitlines() == [
-        f"trainbook: error: {recipe}: monitor.{key}: {key} is not installed: pip install 'trainbook[{key}]'"]
+        f"trainbook: error: command line: monitor.{key}: {key} is not installed: pip install 'trainbook[{key}]'"]
     assert files_under(tmp_path) == before
