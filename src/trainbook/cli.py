@@ -182,7 +182,7 @@ def main() -> None:
     except TrainbookError as e:
         if speaks:
             print(f"trainbook: error: {e}", file=sys.stderr)
-        code = 2
+        code = e.exit_code
     except click.ClickException as e:
         e.show()
         code = e.exit_code
