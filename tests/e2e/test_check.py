@@ -3,7 +3,7 @@
 Unprepared data is a warn naming `trainbook prepare`; a wrong version lock fails `check` with
 the install line and stops `run` before anything is written; a bad specifier is bad input; on
 two real ranks the collectives are checked and a rank whose matmul is really slowed (the fault
-point `check.slow_matmul`) is named with its host."""
+point `check.slow_matmul`) is named with its host (a warn on CPU, where ranks share the cores)."""
 
 import json
 import socket
@@ -65,12 +65,12 @@ def test_two_ranks_check_every_collective_and_name_the_rank_with_a_slowed_matmul
     done = run_cli("check", str(recipe), "--nproc", "2", "--json", cwd=tmp_path,
                    env={"TRAINBOOK_FAULT": "check.slow_matmul", "TRAINBOOK_FAULT_RANK": "1",
                         "TRAINBOOK_FAULT_SLOWDOWN": "20"})
-    assert done.returncode == 1, done.stdout + done.stderr
+    assert done.returncode == 0, done.stdout + done.stderr  # on CPU an outlier is a warn
     rows = _rows(done.stdout)
     collectives = rows["collectives"]
     assert collectives["status"] in ("pass", "warn"), collectives  # warn: below the bandwidth floor
     assert "all_reduce, all_gather, reduce_scatter of 4 MiB on 2 ranks (gloo): results correct" in collectives["detail"]
     matmul = rows["matmul"]
-    assert matmul["status"] == "fail", matmul
+    assert matmul["status"] == "warn", matmul
     assert f"slow: rank 1 on {socket.gethostname()} (" in matmul["detail"]
     assert "rank 0 on" not in matmul["detail"]

@@ -8,7 +8,8 @@ In order, cheapest first:
   naming `trainbook prepare`), enough samples for a batch, the tokenizer within the model's
   vocabulary, and the loader against what training consumes (`bench data`);
 - the ranks (`diagnose/probe_worker.py` under torchrun): every collective's result checked and
-  its bus bandwidth against a floor; a per-rank matmul probe with outlier ranks named.
+  its bus bandwidth against a floor; a per-rank matmul probe with outlier ranks named (a fail
+  on accelerators; a warn on CPU, where the ranks share one host's cores).
 
 Exit code 0 when everything passes or warns, 1 on any fail, 2 on bad input (the recipe, overrides
 or layout). `run` runs the cheap part first (`gate`): the version lock and the disk. The data and
@@ -74,7 +75,8 @@ def check_command(recipe: str | None, overrides: list[str] | None, nproc: int = 
         rows.append(Row("ranks", "skip", "no device to probe"))
     elif nproc == 1:
         rows.append(Row("collectives", "skip", "one rank: nothing to communicate (check --nproc N for the ranks)"))
-        rows += matmul_rows([{"rank": 0, "host": socket.gethostname(), "gflops": matmul_gflops(device, repeat=_slowdown())}])
+        mine = {"rank": 0, "host": socket.gethostname(), "gflops": matmul_gflops(device, repeat=_slowdown())}
+        rows += matmul_rows([mine], device.type)
     else:
         rows += rank_rows(device, nproc, min_busbw)
 
@@ -208,7 +210,7 @@ def rank_rows(device: torch.device, nproc: int, min_busbw: float | None, timeout
     rows = [Row("collectives", "pass", detail) if busbw >= floor else
             Row("collectives", "warn", detail, "a slow link: check the interconnect (trainbook bench comm "
                 f"--nproc {nproc} for every size), or lower the floor with --min-busbw")]
-    return rows + matmul_rows(result["ranks"])
+    return rows + matmul_rows(result["ranks"], device.type)
 
 
 def _last_line(log: str) -> str:
