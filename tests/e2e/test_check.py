@@ -49,6 +49,10 @@ def test_a_wrong_torch_lock_fails_check_with_the_fix_and_stops_run_before_it_wri
     assert line.startswith(f"trainbook: error: {recipe}: env.torch: torch ")
     assert "fix: pip install 'torch==2.12.0'" in line and "--no-check" in line
 
+    # The --nproc launcher checks too, before any worker starts; a lock set on the command line is named so.
+    line = run_cli_error("run", str(recipe), "env.torch===2.12.0", "--nproc", "2", cwd=tmp_path)
+    assert line.startswith("trainbook: error: command line: env.torch: torch ")
+
     done = run_cli("run", str(recipe), "train.max_steps=1", "train.eval_every=0", "--no-check", cwd=tmp_path)
     assert done.returncode == 0, done.stderr[-2000:]
     assert "done: 1 steps" in done.stdout
