@@ -31,7 +31,7 @@ from pathlib import Path
 
 import torch
 
-from trainbook.commands.bench import bench_data
+from trainbook.commands.bench import DataBench, loader_rate, training_rate
 from trainbook.commands.launch import max_processes
 from trainbook.commands.recipe import recipe_and_overrides
 from trainbook.commands.resolve import Resolved, resolve
@@ -52,6 +52,7 @@ from trainbook.runs import cpu_name
 BUSBW_FLOOR_GBPS = {"cpu": 0.05, "cuda": 5.0, "npu": 5.0}
 PROBE_BYTES = {"cpu": 4 << 20, "cuda": 64 << 20, "npu": 64 << 20}
 LOADER_SECONDS = 1.0
+TRAIN_PROBE_STEPS = 2  # after a warm-up step; `bench data` takes 4
 
 
 def check_command(recipe: str | None, overrides: list[str] | None, nproc: int = 1, as_json: bool = False,
@@ -166,7 +167,9 @@ def _loader_row(res: Resolved, data: Prepared, device: torch.device | None) -> R
         return Row("loader", "skip", "no device to train on")
     if res.dims.tp > 1 or res.dims.pp > 1:
         return Row("loader", "skip", "measured on tp = pp = 1 layouts; see trainbook bench data")
-    bench = bench_data(res.cfg, data, device, seconds=LOADER_SECONDS)
+    _, loader_tps = loader_rate(res.cfg, data, LOADER_SECONDS)
+    train_tps, source = training_rate(res.cfg, data, device, probe_steps=TRAIN_PROBE_STEPS)
+    bench = DataBench(0.0, loader_tps, train_tps, source)
     detail = (f"{bench.tokens_per_s:,.0f} tokens/s from the loader, training consumes "
               f"{bench.train_tokens_per_s:,.0f} per rank ({bench.headroom:,.{0 if bench.headroom >= 10 else 1}f}x)")
     if bench.headroom < 1.5:
