@@ -78,3 +78,14 @@ def test_two_ranks_check_every_collective_and_name_the_rank_with_a_slowed_matmul
     assert matmul["status"] == "warn", matmul
     assert f"slow: rank 1 on {socket.gethostname()} (" in matmul["detail"]
     assert "rank 0 on" not in matmul["detail"]
+
+
+def test_a_rank_lost_before_the_collectives_fails_the_row_naming_it(tmp_path, recipe):
+    done = run_cli("check", str(recipe), "--nproc", "2", "--json", cwd=tmp_path,
+                   env={"TRAINBOOK_FAULT": "check.collectives", "TRAINBOOK_FAULT_RANK": "1"})
+    assert done.returncode == 1, done.stdout + done.stderr
+    rows = _rows(done.stdout)
+    assert rows["collectives"]["status"] == "fail", rows["collectives"]
+    # Rank 0 saw its peer go (and said so), or torchrun saw rank 1 killed first: rank 1 is named either way.
+    assert rows["collectives"]["detail"].startswith("2 ranks: rank 1 on "), rows["collectives"]
+    assert rows["matmul"]["status"] == "skip"

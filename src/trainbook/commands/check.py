@@ -187,21 +187,24 @@ def rank_rows(device: torch.device, nproc: int, min_busbw: float | None, timeout
     """Collectives and matmul on `nproc` ranks (diagnose/probe_worker.py under torchrun)."""
     floor = BUSBW_FLOOR_GBPS[device.type] if min_busbw is None else min_busbw
     size = PROBE_BYTES[device.type]
+    # Each rank's share of the cores, as `run --nproc` gives its workers (torchrun would give one).
+    threads = os.environ.get("OMP_NUM_THREADS") or str(max(1, (os.cpu_count() or 1) // nproc))
     with tempfile.TemporaryDirectory(prefix="trainbook-check-") as tmp:
         out = Path(tmp) / "probe.json"
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
                "-m", "trainbook.diagnose.probe_worker", "--json", str(out), "--bytes", str(size),
                "--device", device.type]
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                env={**os.environ, "OMP_NUM_THREADS": threads})
         try:
-            done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s)
-            log = done.stdout + done.stderr
+            log, _ = proc.communicate(timeout=timeout_s)
         except subprocess.TimeoutExpired:
-            log = f"timed out after {timeout_s:.0f} s"
-        errors = {p.name: p.read_text() for p in sorted(Path(tmp).glob("probe.json.rank*.err"))}
+            proc.terminate()  # torchrun passes SIGTERM on to its workers
+            log = proc.communicate()[0] + f"\ntimed out after {timeout_s:.0f} s"
         if not out.is_file():
-            wrong = [e for e in errors.values() if "wrong values" in e]
-            why = (wrong or list(errors.values()) or [_last_line(log)])[0]
-            return [Row("collectives", "fail", f"{nproc} ranks: {why}",
+            errors = {int(p.name.removesuffix(".err").rpartition("rank")[2]): p.read_text()
+                      for p in Path(tmp).glob("probe.json.rank*.err")}
+            return [Row("collectives", "fail", f"{nproc} ranks: {one_line(_failure(errors, log, nproc), 300)}",
                         "check the interconnect and the backend's environment (NCCL_DEBUG=INFO shows NCCL's view)"),
                     Row("matmul", "skip", "the ranks did not get that far")]
         result = json.loads(out.read_text())
@@ -214,6 +217,35 @@ def rank_rows(device: torch.device, nproc: int, min_busbw: float | None, timeout
             Row("collectives", "warn", detail, "a slow link: check the interconnect (trainbook bench comm "
                 f"--nproc {nproc} for every size), or lower the floor with --min-busbw")]
     return rows + matmul_rows(result["ranks"], device.type)
+
+
+def _failure(errors: dict[int, str], log: str, nproc: int) -> str:
+    """Why the probe ranks wrote no result: a collective's wrong values; else the ranks that ended
+    without a word (a rank lost) while the others wrote what they saw; else torchrun's root cause."""
+    wrong = [e for e in errors.values() if "wrong values" in e]
+    if wrong:
+        return wrong[0]
+    silent = [r for r in range(nproc) if r not in errors]
+    if errors and silent:
+        seen = next(iter(errors.values()))
+        return (f"rank{'s' * (len(silent) > 1)} {', '.join(map(str, silent))} on {socket.gethostname()} ended "
+                f"without a result; the others saw: {seen}")
+    if "Root Cause" in log:
+        return _root_cause(log)
+    return next(iter(errors.values()), None) or _last_line(log)
+
+
+def _root_cause(log: str) -> str:
+    """torchrun's "Root Cause (first observed failure)" as one line: which rank, where, how it ended."""
+    fields = {}
+    for line in log.partition("Root Cause")[2].splitlines():
+        key, sep, value = line.strip().partition(":")
+        if sep and key.strip() in ("host", "rank", "exitcode", "traceback"):
+            fields.setdefault(key.strip(), value.strip())
+    rank = fields.get("rank", "?").split()[0]
+    how = fields.get("traceback", "")
+    how = how if how and "To enable traceback" not in how else f"exit code {fields.get('exitcode', '?').split()[0]}"
+    return f"rank {rank} on {fields.get('host', '?')} ended before the collectives were done: {how}"
 
 
 def _last_line(log: str) -> str:

@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 
 from trainbook.diagnose.preflight import matmul_gflops
-from trainbook.faults import fault_active
+from trainbook.faults import fault_active, fault_point
 from trainbook.parallel.comm_bench import BACKENDS, run_comm_bench
 from trainbook.parallel.device import pick_device
 from trainbook.parallel.runtime import end_process
@@ -65,6 +65,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     dist.init_process_group(BACKENDS[device.type], timeout=dt.timedelta(seconds=args.timeout_s),
                             device_id=device if device.type == "cuda" else None)
     rank, n = dist.get_rank(), dist.get_world_size()
+    fault_point("check.collectives", 0)  # a rank lost before the collectives (tests)
     try:
         records = run_comm_bench([args.bytes], iters=args.iters, warmup=1, device=device)
     except RuntimeError as e:  # a wrong result here; a peer that left, on the other ranks
