@@ -64,16 +64,16 @@ def check_command(recipe: str | None, overrides: list[str] | None, nproc: int = 
     path, overrides = recipe_and_overrides(recipe, overrides)
     cfg = load_config(path, overrides)  # bad input stops here: exit 2
     rows = version_rows(cfg.env)
-    device, row = device_row(cfg.run.device, nproc)
-    rows.append(row)
+    device, devices = device_row(cfg.run.device, nproc)
+    rows.append(devices)
     res = resolve(path, overrides, nproc, local_ranks=nproc if device is not None else None)
     plan = make_plan(res.plan_inputs(), res.dims)
     if device is not None:
         rows.append(memory_row(plan["memory"]["largest"]["total"], *free_memory(device, nproc)))
     rows.append(disk_row(Path(cfg.run.runs_root), plan["model"]["params"], cfg.checkpoint.keep_last))
     rows += data_rows(res, device, path, overrides)
-    if device is None:
-        rows.append(Row("ranks", "skip", "no device to probe"))
+    if devices.status == "fail":
+        rows.append(Row("ranks", "skip", "no devices to probe (see devices)"))
     elif nproc == 1:
         rows.append(Row("collectives", "skip", "one rank: nothing to communicate (check --nproc N for the ranks)"))
         mine = {"rank": 0, "host": socket.gethostname(), "gflops": matmul_gflops(device, repeat=_slowdown())}
