@@ -9,7 +9,8 @@ from __future__ import annotations
 import urllib.parse
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
+from packaging.specifiers import InvalidSpecifier, SpecifierSet
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 
 class Section(BaseModel):
@@ -403,6 +404,45 @@ class AlertsConfig(Section):
         return rules
 
 
+def _pep440(spec: str) -> str:
+    """A PEP 440 version specifier, e.g. ">=3.11", "==2.13.0", ">=2.4,<3"."""
+    try:
+        SpecifierSet(spec)
+    except InvalidSpecifier:
+        raise ValueError(f"{spec!r} is not a PEP 440 version specifier (e.g. '>=2.4', '==2.13.0', "
+                         "'==2.13.*', '>=2.4,<3')") from None
+    if not spec.strip():
+        raise ValueError("empty version specifier; remove the key to accept any version")
+    return spec
+
+
+VersionSpec = Annotated[str, AfterValidator(_pep440)]
+
+
+class EnvConfig(Section):
+    """The versions a recipe was proven with, as PEP 440 specifiers. `trainbook check` compares
+    each with this machine and prints the install line that fixes a mismatch; `trainbook run`
+    refuses a mismatch before it starts (exit 2). Unset keys accept any version."""
+
+    python: VersionSpec | None = None
+    """Python interpreter, e.g. ">=3.11"."""
+    torch: VersionSpec | None = None
+    """PyTorch (a local label such as `+cpu` is ignored unless the specifier names one)."""
+    cuda: VersionSpec | None = None
+    """The CUDA version torch was built with; checked where CUDA devices are present."""
+    nccl: VersionSpec | None = None
+    """The NCCL version torch uses; checked where CUDA devices are present."""
+    cann: VersionSpec | None = None
+    """Ascend CANN toolkit (`$ASCEND_TOOLKIT_HOME`); checked where it is installed."""
+    driver: VersionSpec | None = None
+    """NVIDIA driver (nvidia-smi); checked where CUDA devices are present."""
+    packages: dict[str, VersionSpec] = {}
+    """Distribution name -> specifier, e.g. { tokenizers = ">=0.19" }."""
+    enforce: bool = True
+    """`trainbook run` checks the version lock and free disk first and refuses a failure; false
+    (or `run --no-check`) skips that check."""
+
+
 class Config(Section):
     """A whole recipe. `extends` is consumed while loading and never appears here."""
 
@@ -419,3 +459,4 @@ class Config(Section):
     log: LogConfig = LogConfig()
     monitor: MonitorConfig = MonitorConfig()
     alerts: AlertsConfig = AlertsConfig()
+    env: EnvConfig = EnvConfig()
