@@ -11,7 +11,7 @@ phase, so the parts add up to the time taken.
 `boundary`, when set, is called on the stepping thread at every phase change before the clock is
 read: the trainer injects a device synchronisation there (`train.profile_phases`), so that work
 queued on an accelerator is counted in the phase that queued it rather than wherever the host
-next waits, and the profiler's phase ranges. It is None otherwise: a phase change costs a lock.
+next waits, the profiler's phase ranges, and health.json. It is None otherwise: a phase change costs a lock.
 """
 
 from __future__ import annotations
@@ -47,12 +47,13 @@ class PhaseState:
 
 
 class PhaseTracker:
-    def __init__(self, boundary: Callable[[Phase], None] | None = None) -> None:
+    def __init__(self, boundary: Callable[[Phase, int, str], None] | None = None) -> None:
         self._lock = threading.Lock()
         self._state = PhaseState(Phase.IDLE, 0, time.monotonic())
         self._durations: dict[Phase, float] = {}
         self.boundary = boundary
-        """Called with the phase being entered, at each change, before the clock is read."""
+        """Called with the phase being entered, its step and detail, at each change, before the
+        clock is read."""
 
     def current(self) -> PhaseState:
         """A snapshot, safe to read from any thread."""
@@ -67,7 +68,7 @@ class PhaseTracker:
     def enter(self, phase: Phase, step: int | None = None, detail: str = "") -> None:
         """Leave the current phase (its time is added to its total) and enter `phase`."""
         if self.boundary is not None:
-            self.boundary(phase)
+            self.boundary(phase, self._state.step if step is None else step, detail)
         now = time.monotonic()
         with self._lock:
             old = self._state

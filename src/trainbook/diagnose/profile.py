@@ -32,7 +32,10 @@ def device_sync(device: torch.device) -> Callable[[], None] | None:
     return None
 
 
-def phase_boundary(*hooks: Callable[[Phase], None] | None) -> Callable[[Phase], None] | None:
+Boundary = Callable[[Phase, int, str], None]
+
+
+def phase_boundary(*hooks: Boundary | None) -> Boundary | None:
     """One boundary hook running `hooks` in order (the synchronisation first); None if none is set."""
     active = [h for h in hooks if h is not None]
     if not active:
@@ -40,9 +43,9 @@ def phase_boundary(*hooks: Callable[[Phase], None] | None) -> Callable[[Phase], 
     if len(active) == 1:
         return active[0]
 
-    def boundary(phase: Phase) -> None:
+    def boundary(phase: Phase, step: int, detail: str) -> None:
         for hook in active:
-            hook(phase)
+            hook(phase, step, detail)
 
     return boundary
 
@@ -68,7 +71,7 @@ class StepProfiler:
             self._prof = profile(activities=self._activities)
             self._prof.start()
 
-    def on_phase(self, phase: Phase) -> None:
+    def on_phase(self, phase: Phase, step: int, detail: str) -> None:
         """Tracker boundary hook: close the previous phase's range, open `phase`'s."""
         if self._prof is None:
             return

@@ -38,6 +38,7 @@ from trainbook.monitor import (
     setup_run_logger,
 )
 from trainbook.monitor.flops import device_peak, mfu, model_flops_per_token
+from trainbook.monitor.health import HealthFile
 from trainbook.monitor.host import cpu_wait_s
 from trainbook.monitor.sinks import due
 from trainbook.parallel.apply import ApplyOptions, parallelize
@@ -194,15 +195,18 @@ class Trainer:
                           training_forward=self.engine.in_training_forward)
 
     def _build_phase_profile(self) -> StepProfiler | None:
-        """`train.profile_phases`: the device synchronised at each phase boundary (the tracker's
-        hook); `train.profile_steps`: a torch.profiler trace of those steps (diagnose/profile.py)."""
+        """The tracker's boundary hook: with `train.profile_phases` the device is synchronised at
+        each phase change; `train.profile_steps`: a torch.profiler trace of those steps
+        (diagnose/profile.py); rank 0 keeps health.json (where the run is) up to date."""
         t = self.cfg.train
         profiler = StepProfiler(self.run_dir, self.rank, tuple(t.profile_steps), self.device) \
             if t.profile_steps else None
         sync = device_sync(self.device) if t.profile_phases else None
+        health = HealthFile(self.run_dir / "health.json") if self.rt.is_main else None
         self.tracker.boundary = phase_boundary(
-            (lambda phase: sync()) if sync is not None else None,  # first: the phase's work is done
+            (lambda *_: sync()) if sync is not None else None,  # first: the phase's work is done
             profiler.on_phase if profiler is not None else None,
+            health.on_phase if health is not None else None,
         )
         return profiler
 

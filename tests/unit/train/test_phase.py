@@ -63,7 +63,7 @@ def test_durations_add_up_per_phase_and_reset_when_taken():
 
 def test_the_boundary_hook_sees_every_phase_change_before_the_clock_is_read():
     seen = []
-    tracker = PhaseTracker(boundary=lambda phase: seen.append((phase, tracker.current().phase)))
+    tracker = PhaseTracker(boundary=lambda phase, step, detail: seen.append((phase, tracker.current().phase)))
     tracker.begin_step(1)
     tracker.enter(Phase.FORWARD)
     tracker.enter(Phase.BACKWARD)
