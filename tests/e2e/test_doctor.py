@@ -74,7 +74,7 @@ def test_a_rank_with_a_slow_source_is_the_straggler(recipe):
     assert [r["step"] for r in _train(run_dir)] == list(range(1, 9)), done.stderr
     code, out = _doctor(run_dir)
     assert code == 1, out
-    assert out.splitlines()[0].startswith("straggler: rank 1 waits for its data "), out
+    assert out.splitlines()[0].startswith("straggler: rank 1 waits for its data longer than rank 0 by "), out
     assert re.search(r"worst: step \d, rank 1 waited [\d.]+ s, rank 0 [\d.]+ s", out), out
 
 

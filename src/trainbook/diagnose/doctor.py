@@ -297,7 +297,7 @@ def straggler(records: list[dict]) -> Finding | None:
     share, _, fast, r = max(mine, key=lambda s: s[0])
     wait = r["ranks"]["data_wait_s"]
     return Finding(
-        "straggler", f"rank {slow} waits for its data {median:.0%} of the step time longer than the fastest rank",
+        "straggler", f"rank {slow} waits for its data longer than rank {fast} by {median:.0%} of the step time (median)",
         [f"rank {slow} is the slowest to get its data in {len(mine)} of {len(spreads)} records with every rank's times",
          f"worst: step {r['step']}, rank {slow} waited {wait['max']:.3f} s, rank {fast} {wait['min']:.3f} s, "
          f"of a {r['step_time_s']:.3f} s step ({share:.0%})",
