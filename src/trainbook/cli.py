@@ -134,6 +134,17 @@ def compare(
     typer.echo(compare_command(run_dirs, out))
 
 
+@app.command()
+def doctor(run_dir: Annotated[Path, typer.Argument(metavar="RUN", help="A run directory.")]) -> None:
+    """Post-mortem of a run: healthy, data/compute/communication/checkpoint-bound, straggler, OOM,
+    NaN/spike, hang or died, with the evidence and the next step. Exit 0 healthy, 1 a problem."""
+    from trainbook.commands.doctor import doctor_command
+
+    text, code = doctor_command(run_dir)
+    typer.echo(text)
+    raise typer.Exit(code)
+
+
 @app.command("runs")
 def list_runs(
     root: Annotated[Path, typer.Option(help="Folder holding the run archive.")] = Path("runs"),

@@ -225,6 +225,25 @@ class TrainConfig(Section):
     matmul and attention outputs (cheap elementwise and norm ops are recomputed)."""
     compile: bool = False
     """Compile each block with `torch.compile` (after tensor parallel, before FSDP)."""
+    profile_phases: bool = False
+    """Synchronise the device at every phase boundary, so the step's `phases` in metrics.jsonl are
+    what each phase cost on the device (not only on the host). Costs the overlap of host and device."""
+    profile_steps: list[int] | None = None
+    """`[a, b]`: record steps a..b (1-based, inclusive) with `torch.profiler` into
+    `profile/rank<R>-steps-a-b.json`, a Chrome/Perfetto trace with each phase as a named range."""
+
+    @field_validator("profile_steps")
+    @classmethod
+    def _step_range(cls, steps: list[int] | None) -> list[int] | None:
+        if steps is not None and (len(steps) != 2 or not 1 <= steps[0] <= steps[1]):
+            raise ValueError(f"{steps} is not [first, last] with 1 <= first <= last, e.g. [10, 12]")
+        return steps
+
+    @model_validator(mode="after")
+    def _profile_within_run(self) -> TrainConfig:
+        if self.profile_steps is not None and self.profile_steps[1] > self.max_steps:
+            raise ValueError(f"profile_steps {self.profile_steps} ends after train.max_steps = {self.max_steps}")
+        return self
 
     def grad_accum_steps(self, dp: int = 1) -> int:
         """Micro-batches per optimizer step on each of `dp` data-parallel ranks (of a resolved
