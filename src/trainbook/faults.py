@@ -9,6 +9,8 @@ Two kinds of point:
 
 - Stops, `fault_point(point, step)`: by default the process sends itself a real SIGKILL there.
   `TRAINBOOK_FAULT_ACTION=hang` makes it stop answering instead (collective timeouts);
+  `TRAINBOOK_FAULT_ACTION=stop` sends it a real SIGSTOP (a rank that cannot speak at all: no
+  thread of it runs, as if stopped in a debugger or wedged in the kernel; hang diagnosis);
   `TRAINBOOK_FAULT_ACTION=raise` raises a RuntimeError there (a run that fails with a Python error);
   `TRAINBOOK_FAULT_ACTION=wait` blocks it until the file named by `TRAINBOOK_FAULT_RELEASE`
   exists, so a test holds a run stuck exactly as long as it needs (stall alerts, hang
@@ -78,6 +80,9 @@ def fault_point(point: str, step: int) -> None:
     if action == "hang":
         while True:
             time.sleep(3600)
+    if action == "stop":
+        os.kill(os.getpid(), signal.SIGSTOP)  # stopped whole: not even a thread of it runs
+        return
     if action == "raise":
         raise RuntimeError(f"fault injected at {point} (step {step})")
     if action == "wait":
