@@ -17,7 +17,9 @@ Two kinds of point:
   diagnosis) and then lets it go on. Crash-safety tests use them to die at moments (between a
   checkpoint's manifest and its rename, after a given step) that a signal sent from outside could
   only hit by luck. The stops: `train.after_step`, `data.next_batch` (the loop is fetching the
-  first batch of step N, phase data), `checkpoint.*` (checkpoint/store.py).
+  first batch of step N, phase data), `checkpoint.*` (checkpoint/store.py). With
+  `TRAINBOOK_FAULT_REACHED=<file>` a stop first creates that file: a test times what follows the
+  fault from that moment.
 - Damage, `fault_active(point, step)`: the product asks whether to do the point's harm now. Those
   points and what they do (train/fault_hooks.py attaches them when armed):
   `model.block_nan`     block `TRAINBOOK_FAULT_BLOCK` (default 0) outputs NaN in the training
@@ -77,6 +79,9 @@ def fault_point(point: str, step: int) -> None:
     if not fault_active(point, step):
         return
     action = os.environ.get("TRAINBOOK_FAULT_ACTION")
+    reached = os.environ.get("TRAINBOOK_FAULT_REACHED")
+    if reached:  # the moment of the fault, for a test that times what follows
+        open(reached, "a").close()
     if action == "hang":
         while True:
             time.sleep(3600)

@@ -313,8 +313,10 @@ def explain(reports: dict[int, dict], silent_states: dict[int, dict], silent_sta
                 "no stack: py-spy is not installed (or the rank is on another host); its last published "
                 "state is all there is" if s["host"] != socket.gethostname() or py_spy() is None else
                 "no stack: py-spy could not read it; its last published state is all there is")
-            parts.append(f"{where}, pid {s['pid']}) {reached} and cannot speak (stopped, in a kernel, or in a C "
-                         f"call that holds the GIL): last seen in {_doing(s)} of step {s['step']}; {tail}")
+            # Its record is the last one it published, up to a tick before it fell silent.
+            parts.append(f"{where}, pid {s['pid']}) cannot speak (stopped, in a kernel, or in a C call that "
+                         f"holds the GIL) and {reached.replace('never reached', 'had not reached')} when last "
+                         f"heard from ({_doing(s)} of step {s['step']}); {tail}")
     if not parts:
         parts.append(f"no rank advanced for {timeout_s:g} s")
     stuck_info = [{"rank": r, "host": every[r]["host"], "phase": every[r]["phase"], "step": every[r]["step"],
