@@ -217,6 +217,9 @@ class HangWatchdog:
             if analysis:
                 atomic_write_text(self.hang_dir / "flight_recorder.txt", analysis)
         verdict["after_s"] = round(declared.get("after_s", self.timeout_s), 3)
+        # Its stacks are on disk: a rank that cannot speak will not exit by itself either.
+        verdict["killed"] = [r for r in silent if r not in self._reporters() and states[r]["host"] == self.host
+                             and _kill(states[r]["pid"])]
         atomic_write_text(self.hang_dir / "verdict.txt", verdict["verdict"] + "\n")
         atomic_write_json(self.hang_dir / "verdict.json", verdict, indent=2)
         events = EventLog(self.events_path)
@@ -227,9 +230,6 @@ class HangWatchdog:
         finally:
             events.close()
         print(f"trainbook: error: {DiagnosedFailure(verdict['verdict'])}", file=sys.stderr, flush=True)
-        for r, stacks in silent.items():
-            if r not in self._reporters() and states[r]["host"] == self.host:
-                _kill(states[r]["pid"])
 
     def _outside(self, state: dict) -> str | None:
         """Stacks of a rank that cannot speak, from outside; the file, or None."""
@@ -249,11 +249,12 @@ def _waiting(state: dict) -> bool:
     return any(done is None or enq > done for enq, done in state["collectives"].values())
 
 
-def _kill(pid: int) -> None:
+def _kill(pid: int) -> bool:
     try:
         os.kill(pid, signal.SIGKILL)  # a stopped process dies of SIGKILL too
+        return True
     except OSError:
-        pass
+        return False
 
 
 def _doing(state: dict) -> str:
@@ -319,7 +320,8 @@ def explain(reports: dict[int, dict], silent_states: dict[int, dict], silent_sta
                          f"heard from ({_doing(s)} of step {s['step']}); {tail}")
     if not parts:
         parts.append(f"no rank advanced for {timeout_s:g} s")
-    stuck_info = [{"rank": r, "host": every[r]["host"], "phase": every[r]["phase"], "step": every[r]["step"],
+    stuck_info = [{"rank": r, "host": every[r]["host"], "pid": every[r]["pid"], "phase": every[r]["phase"],
+                   "step": every[r]["step"],
                    "stacks": every[r]["stacks"] if r in reports else silent_stacks.get(r),
                    "speaks": r in reports} for r in stuck]
     first = every[waiting[0]] if waiting else every[min(every)]
