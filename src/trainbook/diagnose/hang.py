@@ -301,7 +301,7 @@ def explain(reports: dict[int, dict], silent_states: dict[int, dict], silent_sta
             other = s.get("in_flight", [])[:1]
             if other:
                 o = other[0]
-                reached = f"never reached it: it waits in {o['op']} #{o['seq']} instead"
+                reached = f"never reached it, it waits in {o['op']} #{o['seq']} instead"
             elif mine is not None and mine >= collective[1]:
                 reached = "has left it"
             else:
