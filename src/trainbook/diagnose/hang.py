@@ -117,7 +117,7 @@ class HangWatchdog:
         self._stop.set()
         self._thread.join(timeout=2 * self.tick_s + 5)
         try:
-            self.store.set(f"closed/{self.rank}", "1")
+            self.store.add("closed", 1)
         except Exception:  # noqa: BLE001 - the agent's store may already be gone at the end
             pass
 
@@ -137,14 +137,13 @@ class HangWatchdog:
 
     def _watch(self) -> None:
         keys = [f"state/{r}" for r in range(self.world_size)]
-        closed = [f"closed/{r}" for r in range(self.world_size)]
         last: dict | None = None  # every rank's progress, as last seen
         changed = time.monotonic()  # when any rank last advanced (this rank's clock)
         while not self._stop.wait(self.tick_s):
             self.store.set(f"state/{self.rank}", json.dumps(self._record()))
             if self.store.check(["declared"]):
                 return self._on_hang()
-            if not self.store.check(keys) or any(self.store.check([k]) for k in closed):
+            if not self.store.check(keys) or self.store.add("closed", 0) > 0:
                 changed = time.monotonic()  # not every rank watches (yet, or any more)
                 continue
             states = [json.loads(v) for v in self.store.multi_get(keys)]
