@@ -9,13 +9,17 @@ Two kinds of point:
 
 - Stops, `fault_point(point, step)`: by default the process sends itself a real SIGKILL there.
   `TRAINBOOK_FAULT_ACTION=hang` makes it stop answering instead (collective timeouts);
+  `TRAINBOOK_FAULT_ACTION=stop` sends it a real SIGSTOP (a rank that cannot speak at all: no
+  thread of it runs, as if stopped in a debugger or wedged in the kernel; hang diagnosis);
   `TRAINBOOK_FAULT_ACTION=raise` raises a RuntimeError there (a run that fails with a Python error);
   `TRAINBOOK_FAULT_ACTION=wait` blocks it until the file named by `TRAINBOOK_FAULT_RELEASE`
   exists, so a test holds a run stuck exactly as long as it needs (stall alerts, hang
   diagnosis) and then lets it go on. Crash-safety tests use them to die at moments (between a
   checkpoint's manifest and its rename, after a given step) that a signal sent from outside could
   only hit by luck. The stops: `train.after_step`, `data.next_batch` (the loop is fetching the
-  first batch of step N, phase data), `checkpoint.*` (checkpoint/store.py).
+  first batch of step N, phase data), `checkpoint.*` (checkpoint/store.py). With
+  `TRAINBOOK_FAULT_REACHED=<file>` a stop first creates that file: a test times what follows the
+  fault from that moment.
 - Damage, `fault_active(point, step)`: the product asks whether to do the point's harm now. Those
   points and what they do (train/fault_hooks.py attaches them when armed):
   `model.block_nan`     block `TRAINBOOK_FAULT_BLOCK` (default 0) outputs NaN in the training
@@ -78,9 +82,15 @@ def fault_point(point: str, step: int) -> None:
     if not fault_active(point, step):
         return
     action = os.environ.get("TRAINBOOK_FAULT_ACTION")
+    reached = os.environ.get("TRAINBOOK_FAULT_REACHED")
+    if reached:  # the moment of the fault, for a test that times what follows
+        open(reached, "a").close()
     if action == "hang":
         while True:
             time.sleep(3600)
+    if action == "stop":
+        os.kill(os.getpid(), signal.SIGSTOP)  # stopped whole: not even a thread of it runs
+        return
     if action == "raise":
         raise RuntimeError(f"fault injected at {point} (step {step})")
     if action == "wait":

@@ -10,6 +10,7 @@ mistake is one line before any process starts; the data cache, the run directory
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -21,7 +22,7 @@ import torch
 from trainbook.commands.preflight import check_monitor, gate, prepare_data, resume_point
 from trainbook.commands.resolve import resolve
 from trainbook.config import load_config
-from trainbook.errors import TrainbookError
+from trainbook.errors import DiagnosedFailure, TrainbookError
 from trainbook.parallel.device import pick_device
 from trainbook.runs import new_run_dir_path
 
@@ -64,4 +65,24 @@ def launch(recipe: Path, overrides: list[str], nproc: int, run_dir: Path | None,
     # Pre-emption reaches this process first: hand it on (torchrun forwards it to the workers).
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda signum, frame: proc.send_signal(signum))
-    return proc.wait()
+    code = proc.wait()
+    # torchrun exits 1 whatever its workers did: a failure the run diagnosed keeps its own code (3).
+    return DiagnosedFailure.exit_code if code != 0 and _diagnosed(run_dir) else code
+
+
+def _diagnosed(run_dir: Path) -> bool:
+    """Whether this attempt's `end` event is a diagnosed failure (a hang, an OOM, ...)."""
+    try:
+        lines = (run_dir / "events.jsonl").read_text(encoding="utf-8").splitlines()
+    except OSError:
+        return False
+    for line in reversed(lines):
+        try:
+            event = json.loads(line)
+        except ValueError:
+            continue
+        if event.get("kind") == "end":
+            return str(event.get("error") or "").startswith("DiagnosedFailure")
+        if event.get("kind") in ("start", "resume"):  # this attempt wrote no end: not diagnosed
+            return False
+    return False

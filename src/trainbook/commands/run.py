@@ -63,7 +63,7 @@ def start_run(res: Resolved, run_dir: Path | None = None, resume: str = "auto") 
     device = pick_device(cfg.run.device)
     if cfg.run.threads:
         torch.set_num_threads(cfg.run.threads)
-    rt = start_runtime(res.dims, device, cfg.parallel.timeout_s)
+    rt = start_runtime(res.dims, device, cfg.parallel.timeout_s, flight_recorder=cfg.parallel.hang_watch_s > 0)
     try:
         # Rank 0 checks and writes; every rank gets its answer (or its one-line error).
         start = rt.rank0_first(lambda: resume_point(res, resume, run_dir))

@@ -303,6 +303,25 @@ class ParallelConfig(Section):
     """Stages each pipeline rank holds (`interleaved1f1b` needs >= 2)."""
     timeout_s: float = Field(default=600.0, gt=0)
     """Collective timeout: a rank waiting longer than this on a collective fails with its name."""
+    hang_timeout_s: float | None = Field(default=None, ge=0)
+    """Hang watchdog (diagnose/hang.py): when no rank advances for this long, every rank writes its
+    stacks to `hang/` and the run stops with a who-waits-for-whom verdict (exit 3). Unset: half of
+    `timeout_s`; 0 turns the watchdog off. Must be below `timeout_s`, so the stacks are taken
+    before a collective timeout kills anything."""
+
+    @field_validator("hang_timeout_s")
+    @classmethod
+    def _hang_below_timeout(cls, v: float | None, info: ValidationInfo) -> float | None:
+        timeout = info.data.get("timeout_s")
+        if v is not None and timeout is not None and v >= timeout:
+            raise ValueError(f"must be below parallel.timeout_s ({timeout:g} s), so the stacks are taken "
+                             f"before a collective timeout kills anything; got {v:g}")
+        return v
+
+    @property
+    def hang_watch_s(self) -> float:
+        """The hang watchdog's timeout in seconds; 0: off."""
+        return self.timeout_s / 2 if self.hang_timeout_s is None else self.hang_timeout_s
 
     @model_validator(mode="after")
     def _one_rest(self) -> ParallelConfig:

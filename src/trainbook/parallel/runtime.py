@@ -133,8 +133,10 @@ def end_process(code: int = 0) -> NoReturn:
     os._exit(code)
 
 
-def start_runtime(dims: ParallelDims, device: torch.device, timeout_s: float) -> Runtime:
-    """Join torchrun's process group (if any) and build the device mesh."""
+def start_runtime(dims: ParallelDims, device: torch.device, timeout_s: float,
+                  flight_recorder: bool = False) -> Runtime:
+    """Join torchrun's process group (if any) and build the device mesh; `flight_recorder` turns
+    on c10d's record of collectives (parallel/flight.py) for the hang watchdog."""
     world_size = env_world_size()
     if world_size == 1:
         return Runtime(0, 1, dims, device)
@@ -146,6 +148,24 @@ def start_runtime(dims: ParallelDims, device: torch.device, timeout_s: float) ->
         from trainbook.parallel import npu
 
         npu.register()
+    if flight_recorder:
+        from trainbook.parallel import flight
+
+        flight.enable(BACKENDS[device.type])
     dist.init_process_group(BACKENDS[device.type], timeout=dt.timedelta(seconds=timeout_s))
     rank = dist.get_rank()
     return Runtime(rank, world_size, dims, device, mesh=dims.build_mesh(device.type))
+
+
+def watch_store(prefix: str, timeout_s: float = 30.0) -> dist.Store:
+    """A connection of its own to the rendezvous store (torchrun's agent serves it at
+    MASTER_ADDR:MASTER_PORT), under `prefix` and this attempt's restart count.
+
+    For threads that must talk to the other ranks while the main thread is inside a collective
+    (the hang watchdog): the store outlives any worker, and an own socket never waits behind the
+    main thread's requests.
+    """
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
+                          timeout=dt.timedelta(seconds=timeout_s))
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    return dist.PrefixStore(f"{prefix}/{os.environ.get('TORCHELASTIC_RUN_ID', 'run')}/{attempt}", store)

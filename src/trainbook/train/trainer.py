@@ -27,6 +27,7 @@ from trainbook.config import Config, dump_toml
 from trainbook.data import Prepared, TrainLoader, val_batches
 from trainbook.data.loader import DeliveredMix
 from trainbook.diagnose.layers import LayerStats
+from trainbook.diagnose.hang import start_hang_watchdog
 from trainbook.diagnose.profile import StepProfiler, device_sync, phase_boundary
 from trainbook.diagnose.timeouts import explain_timeout
 from trainbook.errors import one_line
@@ -109,6 +110,9 @@ class Trainer:
         self.tokens_per_step = self.accum_steps * cfg.train.micro_batch_size * cfg.train.seq_len * dims.dp
         self.flops_per_token = model_flops_per_token(cfg.model, cfg.train.seq_len)
         self.peak, self.peak_note = device_peak(self.device, cfg.precision.dtype)
+        # Last: from here on every rank publishes what it does; a hang stops the run with a verdict.
+        self.watchdog = start_hang_watchdog(cfg.parallel.hang_watch_s, self.rt, self.tracker, self.run_dir,
+                                            self.logger)
 
     def _build_engine(self) -> LocalEngine | PipelineEngine:
         """The full model on every rank (same seed, same init, or imported weights), fine-tuning
@@ -469,6 +473,8 @@ class Trainer:
         save): the monitors must finish their records before the process ends."""
         with contextlib.ExitStack() as stack:  # closes last registered first: checkpointer ... logger
             stack.callback(close_run_logger, self.logger)
+            if self.watchdog is not None:  # watches until every collective of this rank is over
+                stack.callback(self.watchdog.close)
             stack.callback(self.events.close)
             stack.callback(self.monitors.close)
             stack.callback(self.train_loader.close)
