@@ -13,6 +13,7 @@ from __future__ import annotations
 import enum
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 
@@ -44,6 +45,11 @@ class PhaseTracker:
         self._lock = threading.Lock()
         self._state = PhaseState(Phase.IDLE, 0, time.monotonic())
         self._durations: dict[Phase, float] = {}
+        self._listeners: list[Callable[[PhaseState, PhaseState], None]] = []
+
+    def listen(self, fn: Callable[[PhaseState, PhaseState], None]) -> None:
+        """Call `fn(left, entered)` at every `enter`, in the thread that enters: keep it cheap."""
+        self._listeners.append(fn)
 
     def current(self) -> PhaseState:
         """A snapshot, safe to read from any thread."""
@@ -61,7 +67,9 @@ class PhaseTracker:
         with self._lock:
             old = self._state
             self._durations[old.phase] = self._durations.get(old.phase, 0.0) + now - old.since
-            self._state = PhaseState(phase, old.step if step is None else step, now, detail)
+            self._state = new = PhaseState(phase, old.step if step is None else step, now, detail)
+        for fn in self._listeners:
+            fn(old, new)
 
     def take_durations(self) -> dict[Phase, float]:
         """Seconds spent in each phase since the last call (the current phase up to now); resets."""

@@ -21,7 +21,7 @@ import torch
 from trainbook.commands.preflight import check_monitor, prepare_data, resume_point
 from trainbook.commands.resolve import resolve
 from trainbook.config import load_config
-from trainbook.errors import TrainbookError
+from trainbook.errors import DiagnosedFailure, TrainbookError
 from trainbook.parallel.device import pick_device
 from trainbook.runs import new_run_dir_path
 
@@ -60,4 +60,19 @@ def launch(recipe: Path, overrides: list[str], nproc: int, run_dir: Path | None,
     # Pre-emption reaches this process first: hand it on (torchrun forwards it to the workers).
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda signum, frame: proc.send_signal(signum))
-    return proc.wait()
+    code = proc.wait()
+    # torchrun exits 1 whatever its workers' codes were: a run that stopped on a failure it
+    # diagnosed (rank 0 printed the verdict) says so in its end event, and exits as one process would.
+    return DiagnosedFailure.exit_code if code != 0 and _diagnosed(Path(run_dir)) else code
+
+
+def _diagnosed(run_dir: Path) -> bool:
+    """Whether the run's last end event says it stopped on a diagnosed failure."""
+    import json
+
+    try:
+        lines = (run_dir / "events.jsonl").read_text().splitlines()
+    except OSError:
+        return False
+    ends = [e for e in map(json.loads, filter(None, lines)) if e.get("kind") == "end"]
+    return bool(ends) and str(ends[-1].get("error") or "").startswith(f"{DiagnosedFailure.__name__}:")
