@@ -25,6 +25,8 @@ from trainbook.errors import DiagnosedFailure, TrainbookError
 from trainbook.parallel.device import pick_device
 from trainbook.runs import new_run_dir_path
 
+DIAGNOSED_EVENTS = ("oom",)  # events.jsonl kinds whose `verdict` stopped the run
+
 
 def max_processes(device: torch.device) -> int:
     """One process per accelerator; on CPU, up to 4 per core (more only thrashes)."""
@@ -61,18 +63,35 @@ def launch(recipe: Path, overrides: list[str], nproc: int, run_dir: Path | None,
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda signum, frame: proc.send_signal(signum))
     code = proc.wait()
-    # torchrun exits 1 whatever its workers' codes were: a run that stopped on a failure it
-    # diagnosed (rank 0 printed the verdict) says so in its end event, and exits as one process would.
-    return DiagnosedFailure.exit_code if code != 0 and _diagnosed(Path(run_dir)) else code
+    # torchrun exits 1 whatever its workers' codes were. A run that stopped on a failure it
+    # diagnosed says so in events.jsonl: rank 0 printed the verdict (its end event), or was
+    # stopped by torchrun before it could (the failing rank's own event): exit as one process would.
+    said, verdict = _diagnosis(Path(run_dir)) if code != 0 else (False, None)
+    if said:
+        return DiagnosedFailure.exit_code
+    if verdict:
+        raise DiagnosedFailure(verdict)
+    return code
 
 
-def _diagnosed(run_dir: Path) -> bool:
-    """Whether the run's last end event says it stopped on a diagnosed failure."""
+def _diagnosis(run_dir: Path) -> tuple[bool, str | None]:
+    """(rank 0 ended on a diagnosed failure, the verdict of a diagnosed failure event) of the
+    run's last attempt."""
     import json
 
     try:
         lines = (run_dir / "events.jsonl").read_text().splitlines()
     except OSError:
-        return False
-    ends = [e for e in map(json.loads, filter(None, lines)) if e.get("kind") == "end"]
-    return bool(ends) and str(ends[-1].get("error") or "").startswith(f"{DiagnosedFailure.__name__}:")
+        return False, None
+    events = []
+    for line in lines:
+        try:
+            events.append(json.loads(line))
+        except ValueError:  # a line cut short by a killed process
+            continue
+    starts = [i for i, e in enumerate(events) if e.get("kind") in ("start", "resume")]
+    attempt = events[starts[-1]:] if starts else events
+    said = any(e.get("kind") == "end" and str(e.get("error") or "").startswith(f"{DiagnosedFailure.__name__}:")
+               for e in attempt)
+    verdict = next((e["verdict"] for e in reversed(attempt) if e.get("kind") in DIAGNOSED_EVENTS), None)
+    return said, verdict

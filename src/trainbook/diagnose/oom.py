@@ -18,11 +18,13 @@ training step, the failing rank writes `oom/rank<R>.json`:
   ranks), each as exact `key=value` overrides with plan's per-rank estimate, best first;
 - `verdict`: the one line `trainbook run` ends with (exit 3).
 
-Rank 0 copies the failing rank's file to `oom/breakdown.json` and emits the `oom` event. Another
-rank that fails is not left to hang: it writes its file, leaves the process group (its peers'
-collectives fail at once), and waits until rank 0 has written the breakdown; rank 0, failing on
-that collective, finds the file and reports it. With CUDA and memory_history the allocator's
-history goes to `oom/snapshot.pickle` (`oom/snapshot-rank<R>.pickle` in a multi-rank run).
+The failing rank also writes the run's `oom/breakdown.json` and its `oom` event (appended to
+events.jsonl, rank 0's file, by one atomic write), then ends: its peers, blocked in a collective
+with it, fail at once (gloo: the connection closes; NCCL: the launcher stops them), find its file
+for the step they were in, and end with the same verdict, rank 0 printing it. A launcher that
+stops rank 0 before it speaks still finds the event (commands/launch.py). With CUDA and
+memory_history the allocator's history goes to `oom/snapshot.pickle` (`oom/snapshot-rank<R>.pickle`
+in a multi-rank run).
 """
 
 from __future__ import annotations
@@ -42,10 +44,11 @@ from torch import nn
 
 from trainbook.atomic import atomic_write_json
 from trainbook.config import DiagnoseConfig
-from trainbook.errors import DiagnosedFailure, TrainbookError, one_line
 from trainbook.diagnose.memory import (
     SavedActivations, blocks_of, failing_block, held_bytes, out_of_memory_error, requested_bytes,
 )
+from trainbook.errors import DiagnosedFailure, TrainbookError, one_line
+from trainbook.monitor import EventLog
 from trainbook.parallel.device import device_memory_bytes, memory_facts
 from trainbook.parallel.dims import ParallelDims, pipeline_microbatches, resolve_dims
 from trainbook.parallel.plan import PlanInputs, memory_estimates
@@ -55,7 +58,6 @@ from trainbook.phase import PhaseState
 from trainbook.sizes import human
 
 CHECKPOINTING = ("none", "selective", "full")  # least recomputation first
-ACK_TIMEOUT_S = 60.0  # a failing rank waits this long at most for rank 0 to take its breakdown
 
 
 @dataclass(frozen=True)
@@ -225,11 +227,17 @@ class OutOfMemory:
         facts["verdict"] = verdict(facts, self.run_dir, self.rt.world_size)
         self.dir.mkdir(parents=True, exist_ok=True)
         atomic_write_json(self.dir / f"rank{rank}.json", facts, indent=2)
+        atomic_write_json(self.dir / "breakdown.json", facts, indent=2)
         self.logger.error(facts["verdict"])
+        self._hold_off_termination()
+        event = {"phase": facts["phase"], "verdict": facts["verdict"], "breakdown": "oom/breakdown.json",
+                 "rank": rank, "block": facts["block"]}
         if self.rt.is_main:
-            self._report(facts)
-        else:
-            self._hand_to_rank0(facts)
+            self.events.emit("oom", facts["step"], **event)
+        else:  # rank 0 may be stopped by the launcher before it could say it
+            events = EventLog(self.run_dir / "events.jsonl")
+            events.emit("oom", facts["step"], **event)
+            events.close()
         return DiagnosedFailure(facts["verdict"])
 
     def _snapshot(self) -> str | None:
@@ -265,24 +273,11 @@ class OutOfMemory:
     def _local_ranks(self) -> int:
         return int(os.environ.get("LOCAL_WORLD_SIZE", self.rt.world_size))
 
-    def _hand_to_rank0(self, facts: dict) -> None:
-        """Leave the process group, so the peers' collectives fail now rather than at their
-        timeout, and wait (bounded) until rank 0 has taken this rank's breakdown: only then may
-        this process end, for its end is what has the launcher stop the others."""
-        self.rt.close()
-        breakdown = self.dir / "breakdown.json"
-        deadline = time.monotonic() + ACK_TIMEOUT_S
-        while time.monotonic() < deadline and not _written_for(breakdown, facts["step"], self.started):
-            time.sleep(0.05)
-
-    def _report(self, facts: dict) -> None:
-        """Rank 0: the run's breakdown and event. It then finishes undisturbed: the launcher's
-        SIGTERM, sent once a peer ends, would cut the verdict short."""
-        if self.rt.distributed and threading.current_thread() is threading.main_thread():
+    def _hold_off_termination(self) -> None:
+        """Rank 0 of a multi-rank run, about to say the verdict: the launcher's SIGTERM, sent as
+        soon as a peer ends, would cut it short."""
+        if self.rt.distributed and self.rt.is_main and threading.current_thread() is threading.main_thread():
             signal.signal(signal.SIGTERM, signal.SIG_IGN)
-        atomic_write_json(self.dir / "breakdown.json", facts, indent=2)
-        self.events.emit("oom", facts["step"], phase=facts["phase"], verdict=facts["verdict"],
-                         breakdown="oom/breakdown.json", rank=facts["rank"], block=facts["block"])
 
     # ---- a peer failed --------------------------------------------------------------------
 
@@ -294,8 +289,8 @@ class OutOfMemory:
                 continue
             facts = json.loads(path.read_text())
             if facts["step"] == state.step:
-                if self.rt.is_main:
-                    self._report(facts)
+                self._hold_off_termination()
+                self.logger.error(f"rank {facts['rank']} ran out of memory: {facts['verdict']}")
                 return DiagnosedFailure(facts["verdict"])
         return None
 
@@ -304,10 +299,3 @@ class OutOfMemory:
             self.saved.close()
         if self.history:
             torch.cuda.memory._record_memory_history(enabled=None)
-
-
-def _written_for(path: Path, step: int, since: float) -> bool:
-    try:
-        return path.stat().st_mtime >= since and json.loads(path.read_text())["step"] == step
-    except (OSError, ValueError, KeyError):
-        return False
