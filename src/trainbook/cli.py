@@ -35,6 +35,8 @@ def run(
     )] = "auto",
     nproc: Annotated[int, typer.Option(
         help="Processes on this machine, started through torch.distributed.run (torchrun).", min=1)] = 1,
+    no_check: Annotated[bool, typer.Option(
+        "--no-check", help="Skip the preflight of the version lock ([env]) and free disk.")] = False,
 ) -> None:
     """Train a recipe; the run is archived under runs/<name>/<time>-<id>/.
 
@@ -42,7 +44,7 @@ def run(
     """
     from trainbook.commands.run import run_command
 
-    text, code = run_command(recipe, overrides, run_dir, resume, nproc)
+    text, code = run_command(recipe, overrides, run_dir, resume, nproc, check=not no_check)
     if text:
         typer.echo(text)
     raise typer.Exit(code)
@@ -132,6 +134,17 @@ def compare(
     typer.echo(compare_command(run_dirs, out))
 
 
+@app.command()
+def doctor(run_dir: Annotated[Path, typer.Argument(metavar="RUN", help="A run directory.")]) -> None:
+    """Post-mortem of a run: healthy, data/compute/communication/checkpoint-bound, straggler, OOM,
+    NaN/spike, hang or died, with the evidence and the next step. Exit 0 healthy, 1 a problem."""
+    from trainbook.commands.doctor import doctor_command
+
+    text, code = doctor_command(run_dir)
+    typer.echo(text)
+    raise typer.Exit(code)
+
+
 @app.command("runs")
 def list_runs(
     root: Annotated[Path, typer.Option(help="Folder holding the run archive.")] = Path("runs"),
@@ -144,6 +157,26 @@ def list_runs(
     from trainbook.commands.runs import runs_command
 
     typer.echo(runs_command(root, where or [], sort))
+
+
+@app.command()
+def check(
+    recipe: RecipeArg = None,
+    overrides: OverridesArg = None,
+    nproc: Annotated[int, typer.Option(help="Ranks to probe on this machine (torchrun workers).", min=1)] = 1,
+    min_busbw: Annotated[Optional[float], typer.Option(
+        help="All-reduce bus bandwidth floor in GB/s (default: by device).", min=0)] = None,
+    json: Annotated[bool, typer.Option("--json", help="The rows as JSON.")] = False,
+) -> None:
+    """Preflight: version lock, devices and memory, disk, data, collectives, per-rank matmul.
+
+    A table of pass/warn/fail with the fix for each; exit code 0 when all pass or warn, 1 on a fail.
+    """
+    from trainbook.commands.check import check_command
+
+    text, code = check_command(recipe, overrides, nproc, json, min_busbw)
+    typer.echo(text)
+    raise typer.Exit(code)
 
 
 bench_app = typer.Typer(help="Measure one part of the training path alone.", no_args_is_help=True)

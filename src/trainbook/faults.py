@@ -36,6 +36,9 @@ Two kinds of point:
                         CUDA: torch.OutOfMemoryError) raised inside the block;
   `host.contend`        from its first step, `TRAINBOOK_FAULT_HOGS` (default 3 per usable CPU)
                         processes spin on the CPUs until the training process ends (contention).
+  `check.slow_matmul`   `trainbook check`'s matmul probe on this rank (arm it bare or `@0`; pick
+                        the rank with TRAINBOOK_FAULT_RANK) does every matmul TRAINBOOK_FAULT_SLOWDOWN
+                        (default 10) times: a really slower rank, for the outlier rule to name.
 """
 
 from __future__ import annotations

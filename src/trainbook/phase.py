@@ -5,7 +5,13 @@ optimizer; the loop writes checkpoint and evaluation around it. Readers on other
 timeout explanation, and the watchdog, profiler and alerts that build on it) call `current()`,
 which returns one immutable snapshot: phase, step, what is being waited on, and the monotonic time
 of entry. The tracker also sums the time spent in each phase, for the step timing in
-`metrics.jsonl` (`take_durations`).
+`metrics.jsonl` (`take_durations`): every moment from `begin_step` on belongs to exactly one
+phase, so the parts add up to the time taken.
+
+`boundary`, when set, is called on the stepping thread at every phase change before the clock is
+read: the trainer injects a device synchronisation there (`train.profile_phases`), so that work
+queued on an accelerator is counted in the phase that queued it rather than wherever the host
+next waits, the profiler's phase ranges, and health.json. It is None otherwise: a phase change costs a lock.
 """
 
 from __future__ import annotations
@@ -41,14 +47,18 @@ class PhaseState:
 
 
 class PhaseTracker:
-    def __init__(self) -> None:
+    def __init__(self, boundary: Callable[[Phase, int, str], None] | None = None) -> None:
         self._lock = threading.Lock()
         self._state = PhaseState(Phase.IDLE, 0, time.monotonic())
         self._durations: dict[Phase, float] = {}
+        self.boundary = boundary
+        """Called with the phase being entered, its step and detail, at each change, before the
+        clock is read."""
         self._listeners: list[Callable[[PhaseState, PhaseState], None]] = []
 
     def listen(self, fn: Callable[[PhaseState, PhaseState], None]) -> None:
-        """Call `fn(left, entered)` at every `enter`, in the thread that enters: keep it cheap."""
+        """Call `fn(left, entered)` at every `enter`, after the change, in the thread that enters:
+        keep it cheap (diagnose/phase_memory.py reads memory there)."""
         self._listeners.append(fn)
 
     def current(self) -> PhaseState:
@@ -63,6 +73,8 @@ class PhaseTracker:
 
     def enter(self, phase: Phase, step: int | None = None, detail: str = "") -> None:
         """Leave the current phase (its time is added to its total) and enter `phase`."""
+        if self.boundary is not None:
+            self.boundary(phase, self._state.step if step is None else step, detail)
         now = time.monotonic()
         with self._lock:
             old = self._state

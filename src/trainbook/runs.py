@@ -75,10 +75,11 @@ def _device_names() -> list[str]:
         return [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
     if hasattr(torch, "npu") and torch.npu.is_available():  # registered by torch_npu
         return [torch.npu.get_device_name(i) for i in range(torch.npu.device_count())]
-    return [_cpu_name()]
+    return [cpu_name()]
 
 
-def _cpu_name() -> str:
+def cpu_name() -> str:
+    """The CPU's model name (/proc/cpuinfo), else what the platform says."""
     cpuinfo = Path("/proc/cpuinfo")
     if cpuinfo.is_file():
         for line in cpuinfo.read_text().splitlines():

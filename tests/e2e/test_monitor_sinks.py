@@ -27,7 +27,7 @@ TRAIN_SCALARS = {"train/loss": "loss", "train/lr": "lr", "train/grad_norm": "gra
                  "train/tokens": "tokens", "train/tokens_per_s": "tokens_per_s",
                  "train/step_time_s": "step_time_s", "train/mem_peak_bytes": "mem_peak_bytes",
                  "train/data_wait_share": "data_wait_share"}
-PHASES = ("data", "forward", "backward", "optimizer")
+PHASES = ("data", "forward", "backward", "grad_sync", "optimizer", "checkpoint", "eval")
 
 
 def _jsonl(path: Path) -> list[dict]:

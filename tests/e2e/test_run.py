@@ -65,7 +65,7 @@ def test_metrics_follow_the_contract(finished_run):
     assert [r["step"] for r in evals] == [0, 3, 6]  # eval_every = 3, plus step 0 and the end
     for r in train:
         assert TRAIN_KEYS <= set(r), TRAIN_KEYS - set(r)
-        assert set(r["phases"]) == {"data", "forward", "backward", "optimizer"}
+        assert set(r["phases"]) == {"data", "forward", "backward", "grad_sync", "optimizer", "checkpoint", "eval"}
         assert r["tokens"] == r["step"] * 256 and r["tokens_per_s"] > 0 and r["mem_peak_bytes"] > 0
     assert evals[-1]["val_loss"] < evals[0]["val_loss"]
 

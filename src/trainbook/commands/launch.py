@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from trainbook.commands.preflight import check_monitor, prepare_data, resume_point
+from trainbook.commands.preflight import check_monitor, gate, prepare_data, resume_point
 from trainbook.commands.resolve import resolve
 from trainbook.config import load_config
 from trainbook.errors import DiagnosedFailure, TrainbookError
@@ -35,7 +35,8 @@ def max_processes(device: torch.device) -> int:
     return getattr(torch, device.type).device_count()
 
 
-def launch(recipe: Path, overrides: list[str], nproc: int, run_dir: Path | None, resume: str) -> int:
+def launch(recipe: Path, overrides: list[str], nproc: int, run_dir: Path | None, resume: str,
+           check: bool = True) -> int:
     """Resolve and pre-flight once for `nproc` ranks, then run them under torchrun; its exit code."""
     if "LOCAL_RANK" in os.environ:
         raise TrainbookError("already running under torchrun; drop --nproc", where="--nproc")
@@ -44,6 +45,8 @@ def launch(recipe: Path, overrides: list[str], nproc: int, run_dir: Path | None,
         raise TrainbookError(f"{nproc} processes, but this machine allows {max_processes(device)} on "
                              f"{device.type} (one per accelerator, 4 per CPU core)", where="--nproc")
     res = resolve(recipe, overrides, nproc, local_ranks=nproc)
+    if check:
+        gate(res)
     start = resume_point(res, resume, run_dir)
     check_monitor(res)
     prepare_data(res)
@@ -54,7 +57,8 @@ def launch(recipe: Path, overrides: list[str], nproc: int, run_dir: Path | None,
         overrides = [*overrides, f"train.micro_batch_size={res.cfg.train.micro_batch_size}"]
 
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-           "-m", "trainbook", "run", str(recipe), *overrides, "--run-dir", str(run_dir), "--resume", resume]
+           "-m", "trainbook", "run", str(recipe), *overrides, "--run-dir", str(run_dir), "--resume", resume,
+           "--no-check"]  # the gate ran here, once
     if res.cfg.run.threads is None and device.type == "cpu":
         # torchrun would give each worker one thread; share the cores out instead.
         os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))

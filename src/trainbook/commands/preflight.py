@@ -1,5 +1,6 @@
 """The one pre-flight: what a run needs beyond its recipe, checked before any process starts.
 
+`gate` is `trainbook check`'s cheap part (the `[env]` version lock, free disk for the checkpoints);
 `resume_point` finds (and checks) the checkpoint a run continues from; `prepare_data` makes the
 data cache and checks the recipe against it (vocabulary, enough samples for one batch of every
 rank); `check_monitor` checks that the switched-on metric sinks can start (the Prometheus port is
@@ -18,7 +19,9 @@ from trainbook.commands.resolve import Resolved
 from trainbook.config import Config, dotted_keys
 from trainbook.config.load import COMMAND_LINE
 from trainbook.data import Prepared, check_train_split, check_val_split, prepare
+from trainbook.diagnose.preflight import disk_row, version_rows
 from trainbook.errors import TrainbookError
+from trainbook.model import build_model, num_params
 from trainbook.monitor.external import check_sinks
 
 
@@ -45,6 +48,23 @@ def prepare_data(res: Resolved, log=print) -> Prepared:
         e.where = f"{where}: {e.where}"
         raise
     return data
+
+
+def gate(res: Resolved) -> None:
+    """`run`'s cheap part of the check, before anything is written: the version lock and free disk.
+    The first failing row is a TrainbookError (exit 2) naming the key and the fix."""
+    cfg = res.cfg
+    if not cfg.env.enforce:
+        return
+    params = num_params(build_model(cfg.model, "meta", seed=0))
+    rows = version_rows(cfg.env) + [disk_row(Path(cfg.run.runs_root), params, cfg.checkpoint.keep_last)]
+    for row in rows:
+        if row.status == "fail":
+            overridden = any(item.partition("=")[0].strip() in (row.key, row.key.rpartition(".")[0])
+                             for item in res.overrides)
+            raise TrainbookError(
+                f"{row.check} {row.detail}; fix: {row.fix} (or skip this check: run --no-check, "
+                "or env.enforce = false)", where=f"{COMMAND_LINE if overridden else res.recipe}: {row.key}")
 
 
 def check_monitor(res: Resolved) -> None:

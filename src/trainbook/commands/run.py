@@ -13,7 +13,9 @@ from pathlib import Path
 import torch
 
 from trainbook.atomic import atomic_write_json, atomic_write_text
-from trainbook.commands.preflight import ResumePoint, check_monitor, config_changes, prepare_data, resume_point
+from trainbook.commands.preflight import (
+    ResumePoint, check_monitor, config_changes, gate, prepare_data, resume_point,
+)
 from trainbook.commands.recipe import archived_config, recipe_and_overrides
 from trainbook.commands.resolve import Resolved, resolve
 from trainbook.config import dump_toml
@@ -26,15 +28,18 @@ from trainbook.train.trainer import Trainer
 
 
 def run_command(recipe: str | None, overrides: list[str] | None, run_dir: Path | None, resume: str,
-                nproc: int) -> tuple[str | None, int]:
-    """What `trainbook run` prints and its exit code."""
+                nproc: int, check: bool = True) -> tuple[str | None, int]:
+    """What `trainbook run` prints and its exit code. `check`: the cheap preflight first
+    (preflight `gate`; the `--nproc` launcher runs it once for its workers)."""
     path, overrides = recipe_and_overrides(recipe, overrides, archived_config(run_dir, resume))
     if nproc > 1:
         from trainbook.commands.launch import launch
 
-        return None, launch(path, overrides, nproc, run_dir, resume)
+        return None, launch(path, overrides, nproc, run_dir, resume, check=check)
     world_size = env_world_size()
     res = resolve(path, overrides, world_size, local_ranks=int(os.environ.get("LOCAL_WORLD_SIZE", world_size)))
+    if check:
+        gate(res)
     summary = start_run(res, run_dir, resume)
     if os.environ.get("RANK", "0") != "0":
         return None, 0  # rank 0 reports for the run

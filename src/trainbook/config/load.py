@@ -132,6 +132,8 @@ def _accepts_text(annotation: Any) -> bool:
     if annotation is str:
         return True
     origin = typing.get_origin(annotation)
+    if origin is typing.Annotated:  # a validated string (env.torch = ">=2.13")
+        return _accepts_text(typing.get_args(annotation)[0])
     if origin is Literal:
         return all(isinstance(a, str) for a in typing.get_args(annotation))
     if origin in (typing.Union, types.UnionType):

@@ -9,7 +9,8 @@ from __future__ import annotations
 import urllib.parse
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
+from packaging.specifiers import InvalidSpecifier, SpecifierSet
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 
 class Section(BaseModel):
@@ -224,6 +225,25 @@ class TrainConfig(Section):
     matmul and attention outputs (cheap elementwise and norm ops are recomputed)."""
     compile: bool = False
     """Compile each block with `torch.compile` (after tensor parallel, before FSDP)."""
+    profile_phases: bool = False
+    """Synchronise the device at every phase boundary, so the step's `phases` in metrics.jsonl are
+    what each phase cost on the device (not only on the host). Costs the overlap of host and device."""
+    profile_steps: list[int] | None = None
+    """`[a, b]`: record steps a..b (1-based, inclusive) with `torch.profiler` into
+    `profile/rank<R>-steps-a-b.json`, a Chrome/Perfetto trace with each phase as a named range."""
+
+    @field_validator("profile_steps")
+    @classmethod
+    def _step_range(cls, steps: list[int] | None) -> list[int] | None:
+        if steps is not None and (len(steps) != 2 or not 1 <= steps[0] <= steps[1]):
+            raise ValueError(f"{steps} is not [first, last] with 1 <= first <= last, e.g. [10, 12]")
+        return steps
+
+    @model_validator(mode="after")
+    def _profile_within_run(self) -> TrainConfig:
+        if self.profile_steps is not None and self.profile_steps[1] > self.max_steps:
+            raise ValueError(f"profile_steps {self.profile_steps} ends after train.max_steps = {self.max_steps}")
+        return self
 
     def grad_accum_steps(self, dp: int = 1) -> int:
         """Micro-batches per optimizer step on each of `dp` data-parallel ranks (of a resolved
@@ -413,6 +433,45 @@ class AlertsConfig(Section):
         return rules
 
 
+def _pep440(spec: str) -> str:
+    """A PEP 440 version specifier, e.g. ">=3.11", "==2.13.0", ">=2.4,<3"."""
+    try:
+        SpecifierSet(spec)
+    except InvalidSpecifier:
+        raise ValueError(f"{spec!r} is not a PEP 440 version specifier (e.g. '>=2.4', '==2.13.0', "
+                         "'==2.13.*', '>=2.4,<3')") from None
+    if not spec.strip():
+        raise ValueError("empty version specifier; remove the key to accept any version")
+    return spec
+
+
+VersionSpec = Annotated[str, AfterValidator(_pep440)]
+
+
+class EnvConfig(Section):
+    """The versions a recipe was proven with, as PEP 440 specifiers. `trainbook check` compares
+    each with this machine and prints the install line that fixes a mismatch; `trainbook run`
+    refuses a mismatch before it starts (exit 2). Unset keys accept any version."""
+
+    python: VersionSpec | None = None
+    """Python interpreter, e.g. ">=3.11"."""
+    torch: VersionSpec | None = None
+    """PyTorch (a local label such as `+cpu` is ignored unless the specifier names one)."""
+    cuda: VersionSpec | None = None
+    """The CUDA version torch was built with; checked where CUDA devices are present."""
+    nccl: VersionSpec | None = None
+    """The NCCL version torch uses; checked where CUDA devices are present."""
+    cann: VersionSpec | None = None
+    """Ascend CANN toolkit (`$ASCEND_TOOLKIT_HOME`); checked where it is installed."""
+    driver: VersionSpec | None = None
+    """NVIDIA driver (nvidia-smi); checked where CUDA devices are present."""
+    packages: dict[str, VersionSpec] = {}
+    """Distribution name -> specifier, e.g. { tokenizers = ">=0.19" }."""
+    enforce: bool = True
+    """`trainbook run` checks the version lock and free disk first and refuses a failure; false
+    (or `run --no-check`) skips that check."""
+
+
 class Config(Section):
     """A whole recipe. `extends` is consumed while loading and never appears here."""
 
@@ -429,4 +488,5 @@ class Config(Section):
     log: LogConfig = LogConfig()
     monitor: MonitorConfig = MonitorConfig()
     alerts: AlertsConfig = AlertsConfig()
+    env: EnvConfig = EnvConfig()
     diagnose: DiagnoseConfig = DiagnoseConfig()

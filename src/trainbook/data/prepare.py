@@ -90,6 +90,15 @@ def prepare(data: DataConfig, tok: TokenizerConfig, *, seed: int, log: Log | Non
         raise
 
 
+
+def find_prepared(data: DataConfig, tok: TokenizerConfig, *, seed: int, log: Log | None = None) -> Prepared | None:
+    """The complete, checked cache entry `prepare` would reuse, or None when there is none (or
+    it is damaged: `log` says why). Reads the inputs to hash them; writes nothing."""
+    if not data.sources:
+        raise TrainbookError("no data sources configured", where="data.sources")
+    key = cache_key(data, tok, seed=seed, inputs=_hash_inputs(data))
+    return _load_cached(Path(data.cache_dir) / key[:16], key, log or (lambda message: None))
+
 def _build(out: Path, data: DataConfig, tok: TokenizerConfig, seed: int, key: str, inputs: list[dict],
            log: Log) -> Prepared:
     documents = DocumentStream(data, seed)

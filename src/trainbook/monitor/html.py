@@ -15,7 +15,7 @@ from trainbook.monitor.compare import (
 )
 from trainbook.monitor.svg import EVENT_COLOURS, PALETTE, Chart, Marker, Series, heatmap, line_chart, stacked_chart
 
-PHASES = ("data", "forward", "backward", "optimizer")
+PHASES = ("data", "forward", "backward", "grad_sync", "optimizer", "checkpoint", "eval")
 # Events drawn on every chart's timeline (alerts, skips, restarts, saves).
 MARKED_EVENTS = ("checkpoint", "resume", "alert", "skipped_step", "stopped", "checkpoint_invalid")
 LAYER_STATS = (("grad_norm", "gradient norm"), ("update_ratio", "update / weight ratio"),

@@ -19,13 +19,27 @@ from trainbook.train.engine import LocalEngine, PipelineEngine, to_device
 
 Engine = LocalEngine | PipelineEngine
 
-# How the tracker's phases add up to the step timing in metrics.jsonl (`phases`): a pipeline's
-# interleaved forward and backward are reported as forward; the collectives before the update
-# count with it.
+# How the tracker's phases add up to the step timing in metrics.jsonl (`phases`, DESIGN.md): a
+# pipeline's interleaved forward and backward are reported as forward. `grad_sync` is the
+# communication the step waits for after backward returns (overflow flag, gradient norm, loss
+# report): the exposed part; the reduction FSDP/DDP overlap with backward is inside `backward`.
+# `checkpoint` is the time a checkpoint blocks training (a synchronous save, or the wait for an
+# async save's copy before the update); `eval` the evaluation after the step.
 REPORTED_PHASES = {
     Phase.DATA: "data", Phase.FORWARD: "forward", Phase.FORWARD_BACKWARD: "forward",
-    Phase.BACKWARD: "backward", Phase.GRAD_SYNC: "optimizer", Phase.OPTIMIZER: "optimizer",
+    Phase.BACKWARD: "backward", Phase.GRAD_SYNC: "grad_sync", Phase.OPTIMIZER: "optimizer",
+    Phase.CHECKPOINT: "checkpoint", Phase.EVALUATION: "eval",
 }
+PHASE_KEYS = ("data", "forward", "backward", "grad_sync", "optimizer", "checkpoint", "eval")
+
+
+def reported(durations: dict[Phase, float], into: dict[str, float] | None = None) -> dict[str, float]:
+    """The tracker's seconds per phase as `metrics.jsonl` keys (every key present), added to `into`."""
+    phases = dict(into) if into is not None else dict.fromkeys(PHASE_KEYS, 0.0)
+    for phase, seconds in durations.items():
+        if phase in REPORTED_PHASES:
+            phases[REPORTED_PHASES[phase]] += seconds
+    return phases
 
 
 @dataclass(frozen=True)
@@ -85,20 +99,17 @@ def train_step(
         # max_norm=inf measures the norm without clipping, so grad_norm is always reported.
         grad_norm = engine.clip_grad_norm(grad_clip if grad_clip > 0 else float("inf"))
         if before_update is not None:
-            tracker.enter(Phase.OPTIMIZER, detail="waiting for the checkpoint copy")
+            tracker.enter(Phase.CHECKPOINT, detail="waiting for the checkpoint copy")
             before_update()
         tracker.enter(Phase.OPTIMIZER)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
     scaler.update(found_inf)
-    phases = dict.fromkeys(("data", "forward", "backward", "optimizer"), 0.0)
-    for phase, seconds in tracker.take_durations().items():
-        if phase in REPORTED_PHASES:
-            phases[REPORTED_PHASES[phase]] += seconds
     tracker.enter(Phase.GRAD_SYNC, detail="loss report")
-    loss = engine.report_loss(loss_sum / accum_steps)
+    loss = engine.report_loss(loss_sum / accum_steps).item()  # on an accelerator: waits for the step
+    grad_norm = grad_norm.item()
     return StepResult(
-        loss=loss.item(), grad_norm=grad_norm.item(), phases=phases,
+        loss=loss, grad_norm=grad_norm, phases=reported(tracker.take_durations()),
         loss_scale=loss_scale if scaler.enabled else None, skipped=found_inf,
     )
 

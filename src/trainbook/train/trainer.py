@@ -6,6 +6,7 @@ Data flows one way: each step produces a StepReport, the monitors consume it.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import enum
 import hashlib
 import logging
@@ -28,6 +29,7 @@ from trainbook.data.loader import DeliveredMix
 from trainbook.diagnose.layers import LayerStats
 from trainbook.diagnose.oom import OutOfMemory
 from trainbook.diagnose.phase_memory import PhaseMemory
+from trainbook.diagnose.profile import StepProfiler, device_sync, phase_boundary
 from trainbook.diagnose.timeouts import explain_timeout
 from trainbook.errors import one_line
 from trainbook.faults import fault_point
@@ -38,6 +40,7 @@ from trainbook.monitor import (
     setup_run_logger,
 )
 from trainbook.monitor.flops import device_peak, mfu, model_flops_per_token
+from trainbook.monitor.health import HealthFile
 from trainbook.monitor.host import cpu_wait_s
 from trainbook.monitor.sinks import due
 from trainbook.parallel.apply import ApplyOptions, parallelize
@@ -52,7 +55,7 @@ from trainbook.train.fault_hooks import FaultyBatches, attach_block_nan, attach_
 from trainbook.train.optim import build_optimizer, load_optimizer_state, optimizer_state, optimizer_state_like
 from trainbook.train.rng import rng_state, set_rng_state
 from trainbook.train.schedule import LRSchedule
-from trainbook.train.step import evaluate, train_step
+from trainbook.train.step import evaluate, reported, train_step
 
 
 class Decision(enum.Enum):
@@ -97,6 +100,7 @@ class Trainer:
         self.val_batches = self._build_val_batches(data)
         self.logger, self.events, self.monitors = self._build_monitors()
         self.layer_stats = self._build_layer_stats()
+        self.profiler = self._build_phase_profile()
         self.oom = OutOfMemory(cfg.diagnose, PlanInputs(cfg.model, cfg.train, cfg.parallel, cfg.precision.dtype),
                                self.rt, self.model, self.optimizer, self.run_dir, self.events, self.logger)
         self.checkpointer = Checkpointer(
@@ -104,6 +108,8 @@ class Trainer:
             describe=checkpoint_description(cfg, dims), on_commit=self._on_checkpoint_committed,
         )
         self.step = 0
+        self._step_start = 0.0  # perf_counter() when the current step began (advance -> publish)
+        self._layer_stats_due: LayerStats | None = None  # armed for this step; finished in publish
         self.tokens = 0
         self.stop_signal: int | None = None  # set by SIGTERM/SIGINT; the loop saves and stops
         self.accum_steps = cfg.train.grad_accum_steps(dims.dp)
@@ -195,6 +201,22 @@ class Trainer:
         return LayerStats(self.model, self.optimizer, self.rt, every, copies=copies,
                           training_forward=self.engine.in_training_forward)
 
+    def _build_phase_profile(self) -> StepProfiler | None:
+        """The tracker's boundary hook: with `train.profile_phases` the device is synchronised at
+        each phase change; `train.profile_steps`: a torch.profiler trace of those steps
+        (diagnose/profile.py); rank 0 keeps health.json (where the run is) up to date."""
+        t = self.cfg.train
+        profiler = StepProfiler(self.run_dir, self.rank, tuple(t.profile_steps), self.device) \
+            if t.profile_steps else None
+        sync = device_sync(self.device) if t.profile_phases else None
+        health = HealthFile(self.run_dir / "health.json") if self.rt.is_main else None
+        self.tracker.boundary = phase_boundary(
+            (lambda *_: sync()) if sync is not None else None,  # first: the phase's work is done
+            profiler.on_phase if profiler is not None else None,
+            health.on_phase if health is not None else None,
+        )
+        return profiler
+
     def _before_update(self) -> None:
         self.checkpointer.wait_staged()
         if self.layer_stats is not None:
@@ -217,6 +239,7 @@ class Trainer:
                     decision = self.decide(report)
                     if decision is Decision.STOP or self.checkpointer.due(self.step, t.max_steps):
                         self._save_checkpoint()
+                    report = self.publish(report)  # its record covers the eval and checkpoint above
                     if decision is Decision.STOP:
                         self._on_stop()
                         break
@@ -239,14 +262,18 @@ class Trainer:
                 "stopped_by": signal.Signals(self.stop_signal).name if self.stop_signal else None}
 
     def advance(self) -> StepReport:
-        """One optimizer step: set the LR, run train_step, count, and report to the monitors."""
+        """One optimizer step: set the LR, run train_step, count. Its report goes to the monitors
+        once what follows the step (evaluation, checkpoint) is timed too (`publish`)."""
         lr = self.schedule(self.step)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         stats = self.layer_stats if self.layer_stats is not None and self.layer_stats.due(self.step + 1) else None
         if stats is not None:
             stats.arm()
+        if self.profiler is not None:
+            self.profiler.before_step(self.step + 1)
         start, waited = time.perf_counter(), cpu_wait_s()
+        self._step_start = start
         self.tracker.begin_step(self.step + 1)
         try:
             result = train_step(self.engine, self.optimizer, self.batches, self.accum_steps, self.cfg.optim.grad_clip,
@@ -258,6 +285,7 @@ class Trainer:
         waited = None if waited is None else cpu_wait_s() - waited
         self.step += 1
         self.tokens += self.tokens_per_step  # a skipped step consumed its data too
+        # Provisional: `publish` times the whole record and settles these.
         tokens_per_s, mem = self.tokens_per_step / elapsed, peak_memory_bytes(self.device)
         report = StepReport(
             step=self.step, tokens=self.tokens, loss=result.loss, lr=lr, grad_norm=result.grad_norm,
@@ -270,11 +298,29 @@ class Trainer:
             cpu_wait_share=None if waited is None else min(1.0, waited / elapsed),
             **self._gather(elapsed, result.phases["data"], mem),
         )
+        self._layer_stats_due = stats
+        return report
+
+    def publish(self, report: StepReport) -> StepReport:
+        """The step's record, to the monitors. It covers the step from its first batch to now:
+        the evaluation and checkpoint after it are its `eval` and `checkpoint` phases, so the
+        phases add up to `step_time_s`; `tokens_per_s` stays the step's training throughput
+        (tokens over the step's time less those two), unchanged by their cadence."""
+        phases = reported(self.tracker.take_durations(), into=report.phases)
+        elapsed = time.perf_counter() - self._step_start
+        self.tracker.enter(Phase.IDLE)  # until the next step begins: nobody's time
+        tokens_per_s = self.tokens_per_step / max(elapsed - phases["checkpoint"] - phases["eval"], 1e-9)
+        report = dataclasses.replace(
+            report, step_time_s=elapsed, phases=phases, data_wait_share=phases["data"] / elapsed,
+            tokens_per_s=tokens_per_s, mfu=mfu(tokens_per_s, self.flops_per_token, self.peak, self.rt.world_size))
         self.monitors.on_step(report)  # read-only consumers of the report
+        stats, self._layer_stats_due = self._layer_stats_due, None
         if stats is not None:  # measured after the step's timing: not part of tokens/s
             layers = stats.finish(self.step)
             if layers is not None:
                 self.monitors.on_layers(layers)
+        if self.profiler is not None:
+            self.profiler.after_step(self.step)
         return report
 
     def _gather(self, step_time: float, data_wait: float, mem: int) -> dict:
@@ -441,6 +487,8 @@ class Trainer:
             if self.layer_stats is not None:
                 stack.callback(self.layer_stats.close)
             stack.callback(self.checkpointer.close)
+            if self.profiler is not None:
+                stack.callback(self.profiler.close)
             stack.callback(self.oom.close)
             stack.callback(self.phase_memory.close)
 

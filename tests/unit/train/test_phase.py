@@ -43,7 +43,7 @@ def test_another_thread_sees_the_step_and_phase_a_real_step_is_in():
     handle.remove()
 
     assert seen[0].phase is Phase.FORWARD and seen[0].step == 7
-    assert result.phases.keys() == {"data", "forward", "backward", "optimizer"}
+    assert result.phases.keys() == {"data", "forward", "backward", "grad_sync", "optimizer", "checkpoint", "eval"}
     assert all(seconds >= 0 for seconds in result.phases.values())
     now = tracker.current()
     assert now.phase is Phase.GRAD_SYNC and now.detail == "loss report" and now.step == 7
@@ -59,3 +59,15 @@ def test_durations_add_up_per_phase_and_reset_when_taken():
     assert set(first) == {Phase.DATA, Phase.FORWARD, Phase.BACKWARD}
     assert set(tracker.take_durations()) <= {Phase.FORWARD}  # only the time since the last take
     assert tracker.current().phase is Phase.FORWARD and tracker.current().step == 1
+
+
+def test_the_boundary_hook_sees_every_phase_change_before_the_clock_is_read():
+    seen = []
+    tracker = PhaseTracker(boundary=lambda phase, step, detail: seen.append((phase, tracker.current().phase)))
+    tracker.begin_step(1)
+    tracker.enter(Phase.FORWARD)
+    tracker.enter(Phase.BACKWARD)
+    tracker.take_durations()  # closes the running phase: the device is synchronised there too
+    # Each call comes while the previous phase is still current: its queued work is still its own.
+    assert seen == [(Phase.DATA, Phase.IDLE), (Phase.FORWARD, Phase.DATA), (Phase.BACKWARD, Phase.FORWARD),
+                    (Phase.BACKWARD, Phase.BACKWARD)]
