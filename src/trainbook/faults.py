@@ -31,7 +31,13 @@ Two kinds of point:
   `data.skew_mix`       the step's rows from any source but the recipe's first are replaced by rows
                         of the first source (the mixture trained on drifts from its weights);
   `train.leak`          each step keeps a new `TRAINBOOK_FAULT_BYTES` (default 16 MiB) allocation
-                        alive on the training device (a memory leak);
+                        alive on the training device (a memory leak, grown in the data phase);
+  `model.block_leak`    the same, kept by block `TRAINBOOK_FAULT_BLOCK` (default 0) in its training
+                        forward once per step (a leak grown in the forward phase);
+  `model.block_oom`     block `TRAINBOOK_FAULT_BLOCK` asks the allocator for `TRAINBOOK_FAULT_OOM_BYTES`
+                        (default 2**50) in the training forward of the step: the allocator's real
+                        out-of-memory failure (CPU: "DefaultCPUAllocator: can't allocate memory";
+                        CUDA: torch.OutOfMemoryError) raised inside the block;
   `host.contend`        from its first step, `TRAINBOOK_FAULT_HOGS` (default 3 per usable CPU)
                         processes spin on the CPUs until the training process ends (contention).
   `check.slow_matmul`   `trainbook check`'s matmul probe on this rank (arm it bare or `@0`; pick

@@ -54,6 +54,12 @@ class PhaseTracker:
         self.boundary = boundary
         """Called with the phase being entered, its step and detail, at each change, before the
         clock is read."""
+        self._listeners: list[Callable[[PhaseState, PhaseState], None]] = []
+
+    def listen(self, fn: Callable[[PhaseState, PhaseState], None]) -> None:
+        """Call `fn(left, entered)` at every `enter`, after the change, in the thread that enters:
+        keep it cheap (diagnose/phase_memory.py reads memory there)."""
+        self._listeners.append(fn)
 
     def current(self) -> PhaseState:
         """A snapshot, safe to read from any thread."""
@@ -73,7 +79,9 @@ class PhaseTracker:
         with self._lock:
             old = self._state
             self._durations[old.phase] = self._durations.get(old.phase, 0.0) + now - old.since
-            self._state = PhaseState(phase, old.step if step is None else step, now, detail)
+            self._state = new = PhaseState(phase, old.step if step is None else step, now, detail)
+        for fn in self._listeners:
+            fn(old, new)
 
     def take_durations(self) -> dict[Phase, float]:
         """Seconds spent in each phase since the last call (the current phase up to now); resets."""

@@ -26,6 +26,8 @@ from trainbook.errors import DiagnosedFailure, TrainbookError
 from trainbook.parallel.device import pick_device
 from trainbook.runs import new_run_dir_path
 
+DIAGNOSED_EVENTS = ("oom", "hang")  # events.jsonl kinds whose `verdict` stopped the run
+
 
 def max_processes(device: torch.device) -> int:
     """One process per accelerator; on CPU, up to 4 per core (more only thrashes)."""
@@ -66,23 +68,33 @@ def launch(recipe: Path, overrides: list[str], nproc: int, run_dir: Path | None,
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda signum, frame: proc.send_signal(signum))
     code = proc.wait()
-    # torchrun exits 1 whatever its workers did: a failure the run diagnosed keeps its own code (3).
-    return DiagnosedFailure.exit_code if code != 0 and _diagnosed(run_dir) else code
+    # torchrun exits 1 whatever its workers' codes were. A run that stopped on a failure it
+    # diagnosed says so in events.jsonl: rank 0 printed the verdict (its end event), or was
+    # stopped by torchrun before it could (the failing rank's own event): exit as one process would.
+    said, verdict = _diagnosis(Path(run_dir)) if code != 0 else (False, None)
+    if said:
+        return DiagnosedFailure.exit_code
+    if verdict:
+        raise DiagnosedFailure(verdict)
+    return code
 
 
-def _diagnosed(run_dir: Path) -> bool:
-    """Whether this attempt's `end` event is a diagnosed failure (a hang, an OOM, ...)."""
+def _diagnosis(run_dir: Path) -> tuple[bool, str | None]:
+    """(rank 0 ended on a diagnosed failure, the verdict of a diagnosed failure event) of the
+    run's last attempt."""
     try:
-        lines = (run_dir / "events.jsonl").read_text(encoding="utf-8").splitlines()
+        lines = (run_dir / "events.jsonl").read_text().splitlines()
     except OSError:
-        return False
-    for line in reversed(lines):
+        return False, None
+    events = []
+    for line in lines:
         try:
-            event = json.loads(line)
-        except ValueError:
+            events.append(json.loads(line))
+        except ValueError:  # a line cut short by a killed process
             continue
-        if event.get("kind") == "end":
-            return str(event.get("error") or "").startswith("DiagnosedFailure")
-        if event.get("kind") in ("start", "resume"):  # this attempt wrote no end: not diagnosed
-            return False
-    return False
+    starts = [i for i, e in enumerate(events) if e.get("kind") in ("start", "resume")]
+    attempt = events[starts[-1]:] if starts else events
+    said = any(e.get("kind") == "end" and str(e.get("error") or "").startswith(f"{DiagnosedFailure.__name__}:")
+               for e in attempt)
+    verdict = next((e["verdict"] for e in reversed(attempt) if e.get("kind") in DIAGNOSED_EVENTS), None)
+    return said, verdict

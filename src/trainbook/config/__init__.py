@@ -7,6 +7,7 @@ from trainbook.config.schema import (
     CheckpointConfig,
     Config,
     DataConfig,
+    DiagnoseConfig,
     LogConfig,
     MonitorConfig,
     ModelConfig,
@@ -21,7 +22,7 @@ from trainbook.config.schema import (
 )
 
 __all__ = [
-    "ALERT_RULES", "AlertsConfig", "MonitorConfig", "CheckpointConfig", "Config", "DataConfig", "LogConfig", "ModelConfig", "OptimConfig",
+    "ALERT_RULES", "AlertsConfig", "MonitorConfig", "CheckpointConfig", "Config", "DataConfig", "DiagnoseConfig", "LogConfig", "ModelConfig", "OptimConfig",
     "ParallelConfig", "PrecisionConfig", "RunConfig", "ScheduleConfig", "SourceConfig",
     "TokenizerConfig", "TrainConfig", "dotted_keys", "dump_toml", "load_config", "parse_override",
 ]

@@ -380,6 +380,16 @@ class MonitorConfig(Section):
     """MLflow tracking URI; unset: a local file store in `<run>/mlruns`."""
 
 
+class DiagnoseConfig(Section):
+    """What the failure diagnoses record beyond what they always do."""
+
+    memory_history: bool = False
+    """Record memory for an out-of-memory post-mortem: the bytes each block saves for backward
+    (saved-tensor hooks, measured instead of estimated in `oom/breakdown.json`), and on CUDA the
+    allocator's history, dumped to `oom/snapshot.pickle` (pytorch.org/memory_viz). Costs a hook
+    per saved tensor."""
+
+
 ALERT_RULES = ("nonfinite", "loss_spike", "grad_spike", "throughput_drop", "stall", "memory_growth",
                "val_regression", "mix_drift")
 
@@ -498,3 +508,4 @@ class Config(Section):
     monitor: MonitorConfig = MonitorConfig()
     alerts: AlertsConfig = AlertsConfig()
     env: EnvConfig = EnvConfig()
+    diagnose: DiagnoseConfig = DiagnoseConfig()

@@ -12,7 +12,9 @@ Rules (ids are `alerts.rules` values, all on by default):
   waiting for a CPU (monitor/host.py), the message says so: the machine is busy with other work,
   and the run itself is not to blame.
 - `memory_growth`: peak memory rose at three quarters of the window's steps or more and by more
-  than `memory_growth_bytes_per_step` per step over the window (a leak, not one-off growth).
+  than `memory_growth_bytes_per_step` per step over the window (a leak, not one-off growth). The
+  message names the phase that keeps the growth (the window's `mem_growth_by_phase`, measured at
+  phase changes: diagnose/phase_memory.py).
 - `val_regression`: validation loss `val_regression` (a fraction) above its best so far.
 - `mix_drift`: a source's share of the rows training took (counted as delivered, all ranks;
   data/loader.py `DeliveredMix`) is `mix_drift` (absolute) off its weight's share, over the most
@@ -87,7 +89,7 @@ class AlertRules(Sink):
         self._last_lr: float | None = None
         self._warm_steps = 0  # steps seen since the LR warmup ended
         self._history = {key: deque(maxlen=cfg.window)
-                         for key in ("loss", "grad_norm", "tokens_per_s", "mem", "cpu_wait")}
+                         for key in ("loss", "grad_norm", "tokens_per_s", "mem", "cpu_wait", "mem_phases")}
         self._mix_rows: deque[dict[str, dict]] = deque()  # the newest data_mix records that judge the mixture
         self._best_val: float | None = None
         self._last_progress = time.monotonic()
@@ -168,7 +170,22 @@ class AlertRules(Sink):
         limit = self.cfg.memory_growth_bytes_per_step
         if rises >= 0.75 * (len(mem) - 1) and slope > limit:
             self._fire("memory_growth", slope, r.step, f"peak memory grew {slope / 2**20:,.1f} MiB per step over "
-                       f"the last {len(mem) - 1} steps (now {r.mem_peak_bytes / 2**30:.2f} GiB)", threshold=limit)
+                       f"the last {len(mem) - 1} steps (now {r.mem_peak_bytes / 2**30:.2f} GiB)"
+                       + self._growing_phase(r), threshold=limit)
+
+    def _growing_phase(self, r: StepReport) -> str:
+        """"; it grows in phase P (share of the window's kept growth, MiB per step)", or nothing."""
+        steps = [*self._history["mem_phases"], r.mem_growth_by_phase]
+        totals: dict[str, int] = {}
+        for phases in filter(None, steps):
+            for phase, grown in phases.items():
+                totals[phase] = totals.get(phase, 0) + grown
+        kept = sum(totals.values())
+        if kept <= 0:
+            return ""
+        phase, grown = max(totals.items(), key=lambda item: item[1])
+        return (f"; it grows in phase {phase} ({grown / kept:.0%} of the growth kept, "
+                f"{grown / len(steps) / 2**20:,.1f} MiB per step)")
 
     def _judge_mix(self, r: StepReport) -> None:
         if not r.data_mix:
@@ -200,6 +217,7 @@ class AlertRules(Sink):
         h["tokens_per_s"].append(r.tokens_per_s)
         h["mem"].append(r.mem_peak_bytes)
         h["cpu_wait"].append(r.cpu_wait_share)
+        h["mem_phases"].append(r.mem_growth_by_phase)
 
     # ---- stall: the heartbeat thread ------------------------------------------------------
 

@@ -58,6 +58,9 @@ class StepReport:
     cpu_wait_share: float | None = None
     """Share of the step the training thread was ready to run but waited for a CPU (another
     process held it; monitor/host.py); None where the OS does not say."""
+    mem_growth_by_phase: dict[str, int] | None = None
+    """Bytes of this step's memory growth each phase left behind (diagnose/phase_memory.py; what a
+    phase allocates and a later one frees is not counted); None where not measured."""
     ranks: RankSpread | None = None
     """Every rank's step time, data wait and peak memory; gathered at the logging cadence only
     (None on other steps and in one process)."""

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 from trainbook.errors import TrainbookError
@@ -57,3 +59,47 @@ def device_memory_bytes(device: torch.device, processes: int) -> int:
     import os
 
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // max(1, processes)
+
+
+def memory_facts(device: torch.device) -> dict[str, int]:
+    """This process's memory on `device` now: the allocator's `allocated` (live tensors) and
+    `reserved` (held from the device, cached) on accelerators; the resident set `rss` on CPU; and
+    `peak` (as `peak_memory_bytes`)."""
+    if device.type in ("cuda", "npu"):
+        backend = getattr(torch, device.type)
+        return {"allocated": backend.memory_allocated(device), "reserved": backend.memory_reserved(device),
+                "peak": backend.max_memory_allocated(device)}
+    gauge = MemoryGauge(device)
+    try:
+        return {"rss": gauge(), "peak": peak_memory_bytes(device)}
+    finally:
+        gauge.close()
+
+
+class MemoryGauge:
+    """Reads this process's current memory on `device`, cheaply enough to call at every phase
+    change (benchmarks/phase_memory.py): the allocator's live bytes on accelerators; on CPU the
+    resident set, from /proc/self/statm held open (one pread; 0 where there is no /proc)."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self._fd: int | None = None
+        if device.type == "cpu":
+            try:
+                self._fd = os.open("/proc/self/statm", os.O_RDONLY)
+            except OSError:
+                pass
+            self._page = os.sysconf("SC_PAGE_SIZE")
+
+    def __call__(self) -> int:
+        if self.device.type in ("cuda", "npu"):
+            return getattr(torch, self.device.type).memory_allocated(self.device)
+        if self._fd is None:
+            return 0
+        # statm: size resident shared text lib data dt, in pages
+        return int(os.pread(self._fd, 128, 0).split()[1]) * self._page
+
+    def close(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None

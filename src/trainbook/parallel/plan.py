@@ -195,6 +195,34 @@ def largest_fitting(cfg: PlanInputs, dims: ParallelDims, micro_batch_sizes: list
     return None
 
 
+def memory_estimates(cases: list[tuple[PlanInputs, ParallelDims]], device_memory: int | None) -> list[dict]:
+    """The plan's memory (`make_plan(...)["memory"]`) of each (recipe, layout) case, placement
+    simulated once per distinct layout. Inside a distributed job (the real process group must be
+    left alone) all of it runs in one spawned process, as `simulate` would once per case."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        import multiprocessing
+        from concurrent.futures import ProcessPoolExecutor
+
+        with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
+            return pool.submit(_memory_estimates, cases, device_memory).result()
+    return _memory_estimates(cases, device_memory)
+
+
+def _memory_estimates(cases: list[tuple[PlanInputs, ParallelDims]], device_memory: int | None) -> list[dict]:
+    placed: dict[str, dict[int, dict]] = {}
+    out = []
+    for cfg, dims in cases:
+        # What placement depends on: the layout, the model and how blocks are wrapped.
+        key = repr((dims, cfg.model, cfg.parallel, cfg.train.activation_checkpoint, cfg.train.compile, cfg.dtype))
+        if key not in placed:
+            placed[key] = simulate(cfg, dims)
+        model = build_model(cfg.model, "meta", seed=0)
+        out.append(_memory(placed[key], dims, cfg, _pipeline(model, dims, cfg), device_memory))
+    return out
+
+
 def _mesh(dims: ParallelDims, cfg: PlanInputs) -> dict:
     """Degrees and groups: the ranks that differ only in one dimension communicate over it."""
     roles = {"pp": "pipeline stages (send/recv activations)",

@@ -44,6 +44,41 @@ def attach_block_nan(model: nn.Module, tracker: PhaseTracker) -> None:
     block.register_forward_hook(poison)
 
 
+def attach_memory_faults(model: nn.Module, tracker: PhaseTracker) -> None:
+    """The memory damage of block `TRAINBOOK_FAULT_BLOCK` (default 0), in the training forward:
+
+    `model.block_oom@N`: in step N the block asks the allocator for `TRAINBOOK_FAULT_OOM_BYTES`
+    (default 2**50, a PiB) on its device, which no machine has: the allocator's own failure
+    (on CPU a RuntimeError "DefaultCPUAllocator: can't allocate memory", on CUDA
+    torch.OutOfMemoryError) is raised from inside the block's forward.
+    `model.block_leak`: once per step the block keeps a new `TRAINBOOK_FAULT_BYTES` (default
+    16 MiB) allocation alive (a leak that grows in the forward phase). A rank without the block
+    does nothing."""
+    oom, leak = fault_armed("model.block_oom"), fault_armed("model.block_leak")
+    if not (oom or leak):
+        return
+    name = re.compile(rf"(.*\.)?layers\.{int(os.environ.get('TRAINBOOK_FAULT_BLOCK', '0'))}")
+    block = next((m for n, m in model.named_modules() if name.fullmatch(n)), None)
+    if block is None:
+        return
+    oom_bytes = int(os.environ.get("TRAINBOOK_FAULT_OOM_BYTES", 1 << 50))
+    leak_bytes = int(os.environ.get("TRAINBOOK_FAULT_BYTES", 16 << 20))
+    leaked: dict[int, torch.Tensor] = {}  # step -> its allocation, kept for the rest of the run
+
+    @torch.compiler.disable
+    def damage(module: nn.Module, args, output: torch.Tensor) -> None:
+        if not (module.training and torch.is_grad_enabled()):
+            return
+        step = tracker.current().step
+        if fault_active("model.block_oom", step):
+            torch.empty(oom_bytes, dtype=torch.uint8, device=output.device)
+        if fault_active("model.block_leak", step) and step not in leaked:
+            # ones, not empty: on CPU only touched pages count in the resident set.
+            leaked[step] = torch.ones(leak_bytes // 4, dtype=torch.float32, device=output.device)
+
+    block.register_forward_hook(damage)
+
+
 class FaultyBatches:
     """Wraps the batch iterator: the fault points of the data path, asked at every batch taken.
 

@@ -28,6 +28,8 @@ from trainbook.data import Prepared, TrainLoader, val_batches
 from trainbook.data.loader import DeliveredMix
 from trainbook.diagnose.layers import LayerStats
 from trainbook.diagnose.hang import start_hang_watchdog
+from trainbook.diagnose.oom import OutOfMemory
+from trainbook.diagnose.phase_memory import PhaseMemory
 from trainbook.diagnose.profile import StepProfiler, device_sync, phase_boundary
 from trainbook.diagnose.timeouts import explain_timeout
 from trainbook.errors import one_line
@@ -45,11 +47,12 @@ from trainbook.monitor.sinks import due
 from trainbook.parallel.apply import ApplyOptions, parallelize
 from trainbook.parallel.device import peak_memory_bytes
 from trainbook.parallel.dims import ParallelDims
+from trainbook.parallel.plan import PlanInputs
 from trainbook.parallel.runtime import Runtime
 from trainbook.phase import Phase, PhaseTracker
 from trainbook.precision import Precision
 from trainbook.train.engine import LocalEngine, PipelineEngine, lm_loss
-from trainbook.train.fault_hooks import FaultyBatches, attach_block_nan
+from trainbook.train.fault_hooks import FaultyBatches, attach_block_nan, attach_memory_faults
 from trainbook.train.optim import build_optimizer, load_optimizer_state, optimizer_state, optimizer_state_like
 from trainbook.train.rng import rng_state, set_rng_state
 from trainbook.train.schedule import LRSchedule
@@ -88,6 +91,8 @@ class Trainer:
         self.engine = self._build_engine()
         self.model = self.engine.model
         attach_block_nan(self.model, self.tracker)  # only when TRAINBOOK_FAULT arms it
+        attach_memory_faults(self.model, self.tracker)  # likewise
+        self.phase_memory = PhaseMemory(self.tracker, self.device)  # where memory grows (leaks)
         self.optimizer = build_optimizer(self.model, cfg.optim, embeddings=self.engine.embeddings)
         self.schedule = LRSchedule(cfg.schedule, cfg.optim.lr, cfg.train.max_steps)
         self.scaler = self.precision.loss_scaler()
@@ -97,6 +102,8 @@ class Trainer:
         self.logger, self.events, self.monitors = self._build_monitors()
         self.layer_stats = self._build_layer_stats()
         self.profiler = self._build_phase_profile()
+        self.oom = OutOfMemory(cfg.diagnose, PlanInputs(cfg.model, cfg.train, cfg.parallel, cfg.precision.dtype),
+                               self.rt, self.model, self.optimizer, self.run_dir, self.events, self.logger)
         self.checkpointer = Checkpointer(
             self.run_dir / "checkpoints", cfg.checkpoint, rank=self.rank, world_size=self.rt.world_size,
             describe=checkpoint_description(cfg, dims), on_commit=self._on_checkpoint_committed,
@@ -245,8 +252,13 @@ class Trainer:
                 self.checkpointer.wait()  # an async save still in flight is part of the run
                 self.tracker.enter(Phase.IDLE)
         except BaseException as e:
+            # Out of memory here or on a peer: the breakdown, the event and the one-line verdict.
+            diagnosed = self.oom.diagnose(e, self.tracker.current()) if isinstance(e, Exception) else None
+            failure = diagnosed or e
             # The end marker `trainbook runs` reads; a SIGKILL leaves none (see monitor/archive.py).
-            self.events.emit("end", self.step, status="failed", error=f"{type(e).__name__}: {one_line(e)}")
+            self.events.emit("end", self.step, status="failed", error=f"{type(failure).__name__}: {one_line(failure)}")
+            if diagnosed is not None:
+                raise diagnosed from e
             raise
         self.events.emit("end", self.step, status="stopped" if decision is Decision.STOP else "finished")
         return {"step": self.step, "tokens": self.tokens, "loss": report.loss if report else None,
@@ -282,7 +294,7 @@ class Trainer:
         report = StepReport(
             step=self.step, tokens=self.tokens, loss=result.loss, lr=lr, grad_norm=result.grad_norm,
             tokens_per_s=tokens_per_s, step_time_s=elapsed, phases=result.phases,
-            mem_peak_bytes=mem, time=time.time(),
+            mem_peak_bytes=mem, time=time.time(), mem_growth_by_phase=self.phase_memory.take(),
             loss_scale=result.loss_scale,
             skipped_steps=self.scaler.skipped if self.scaler.enabled else None, skipped=result.skipped,
             mfu=mfu(tokens_per_s, self.flops_per_token, self.peak, self.rt.world_size),
@@ -483,6 +495,8 @@ class Trainer:
             stack.callback(self.checkpointer.close)
             if self.profiler is not None:
                 stack.callback(self.profiler.close)
+            stack.callback(self.oom.close)
+            stack.callback(self.phase_memory.close)
 
 
 def _process() -> dict:
