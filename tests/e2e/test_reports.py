@@ -245,9 +245,9 @@ def test_report_in_a_browser(archive, tmp_path):
     assert done.stdout.strip() == str(page_file)
     seen = render(page_file, tmp_path / "report.png")
     charts = _assert_clean_and_drawn(seen, page_file, tmp_path / "report.png")
-    expected = {"chart-loss": 2, "chart-lr": 1, "chart-grad-norm": 1, "chart-throughput": 2, "chart-phases": 4,
+    expected = {"chart-loss": 2, "chart-lr": 1, "chart-grad-norm": 1, "chart-throughput": 2, "chart-phases": 7,
                 "chart-memory": 1, "chart-events": 3}  # throughput: tokens/s and MFU; events: start,
-    # checkpoint (steps 3 and 6), end
+    # checkpoint (steps 3 and 6), end; phases: all seven, step 6 (logged) saves and evaluates
     assert {k: len(c["series"]) for k, c in charts.items()} == expected
     assert {s["name"] for s in charts["chart-loss"]["series"]} == {"train loss", "val loss"}
     assert charts["chart-loss"]["series"][0]["points"] == STEPS // 2  # log.every_steps = 2

@@ -109,6 +109,9 @@ class HangWatchdog:
         self.exit: Callable[[int], None] = os._exit  # the process ends here once the verdict is out
 
     def start(self) -> HangWatchdog:
+        # The first record before the thread's first tick: a rank that stops a moment after
+        # starting (before a tick has passed) is still known to the others, and named from it.
+        self.store.set(f"state/{self.rank}", json.dumps(self._record()))
         self._thread.start()
         return self
 

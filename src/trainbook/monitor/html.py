@@ -55,10 +55,7 @@ def report_page(run: RunRecord) -> str:
         line_chart(Chart("chart-grad-norm", "Gradient norm (before clipping)", "step", "grad norm",
                          [Series("grad norm", _points(run.train, "grad_norm"))], markers)),
         _throughput_chart(run, markers),
-        stacked_chart(Chart("chart-phases", "Step time by phase", "step", "seconds",
-                            [Series(p, [(r["step"], (r.get("phases") or {}).get(p)) for r in run.train
-                                        if isinstance((r.get("phases") or {}).get(p), (int, float))]) for p in PHASES
-                             if any(p in (r.get("phases") or {}) for r in run.train)], markers)),
+        _phases_chart(run, markers),
         _memory_chart(run, markers),
     ]
     if any(isinstance(r.get("loss_scale"), (int, float)) for r in run.train):
@@ -71,6 +68,18 @@ def report_page(run: RunRecord) -> str:
         "<h2>Events</h2>", _events_timeline(run), _events_table(run),
     ]
     return _page(f"trainbook report: {run.name}", body)
+
+
+def _phases_chart(run: RunRecord, markers: list[Marker]) -> str:
+    """The step's phases stacked; a phase that took no time in any record (no checkpoint or
+    evaluation fell on a logged step) is left out rather than drawn as an empty band."""
+    def seconds(r: dict, phase: str) -> float | None:
+        value = (r.get("phases") or {}).get(phase)
+        return value if isinstance(value, (int, float)) else None
+
+    series = [Series(p, [(r["step"], seconds(r, p)) for r in run.train if seconds(r, p) is not None])
+              for p in PHASES if any(seconds(r, p) for r in run.train)]
+    return stacked_chart(Chart("chart-phases", "Step time by phase", "step", "seconds", series, markers))
 
 
 def compare_page(runs: list[RunRecord]) -> str:
