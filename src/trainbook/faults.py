@@ -24,6 +24,10 @@ Two kinds of point:
   points and what they do (train/fault_hooks.py attaches them when armed):
   `model.block_nan`     block `TRAINBOOK_FAULT_BLOCK` (default 0) outputs NaN in the training
                         forward of the step (the loss and every gradient become NaN);
+  `model.block_nan_once` the same in the step's first training forward only (a transient fault:
+                        a re-run of the step is clean);
+  `data.nan_batch`      the same while training on batch K of the data order (`@K`; step K's in a
+                        run that skipped no data): bad data, met again by a replay of it;
   `data.slow_batch`     the step's first batch arrives late: the step takes TRAINBOOK_FAULT_SLOWDOWN
                         (default 10) times as long as the recent clean ones, on any machine;
   `data.random_batch`   the step's batches hold uniformly random token ids (a loss and gradient

@@ -103,8 +103,9 @@ def _stdin_to(path: Path) -> str:
 def test_nan_in_a_block_reaches_the_webhook_and_the_command(recipe, tmp_path, receiver):
     got = tmp_path / "command.jsonl"
     run_dir = tmp_path / "nan"
+    # Triage off: the alert alone is under test (tests/e2e/test_triage.py has the policies).
     _run(recipe, run_dir, "train.max_steps=6", "train.eval_every=0", f"alerts.webhook_url={receiver.url}",
-         _stdin_to(got), fault="model.block_nan@4", TRAINBOOK_FAULT_BLOCK="1")
+         _stdin_to(got), "triage.on_nonfinite=ignore", fault="model.block_nan@4", TRAINBOOK_FAULT_BLOCK="1")
     # The run is over: the last alert was drained before the process ended.
     posted = receiver.received()
     assert [(p["rule"], p["step"]) for p in posted] == [("nonfinite", 4)]  # then rate-limited
@@ -269,7 +270,7 @@ def test_failing_destinations_are_logged_once_and_training_goes_on(recipe, tmp_p
                 f"alerts.webhook_url=http://127.0.0.1:{closed}/alerts", "alerts.webhook_retries=1",
                 "alerts.webhook_timeout_s=2",
                 "alerts.command=" + json.dumps([sys.executable, "-c", "import sys; sys.exit(3)"]),
-                fault="model.block_nan@3+")
+                "triage.on_nonfinite=ignore", fault="model.block_nan@3+")
     assert "done: 6 steps" in done.stdout
     assert [rule for rule, step in _fired(run_dir)] == ["nonfinite"] * 4  # steps 3 to 6
     log = _log(run_dir)

@@ -51,8 +51,10 @@ def verify(path: Path) -> dict:
     return manifest
 
 
-def newest_valid(root: Path, on_skip: Callable[[Path, str], None]) -> tuple[Path, dict] | None:
-    """The newest committed checkpoint that verifies, skipping (and reporting) broken ones."""
+def newest_valid(root: Path, on_skip: Callable[[Path, str], None],
+                 at_most: int | None = None) -> tuple[Path, dict] | None:
+    """The newest committed checkpoint that verifies (of step `at_most` or earlier, when given),
+    skipping (and reporting) broken ones."""
     root = Path(root)
     if not root.is_dir():
         return None
@@ -61,6 +63,8 @@ def newest_valid(root: Path, on_skip: Callable[[Path, str], None]) -> tuple[Path
     for step in steps:
         if latest is not None and step > latest:
             continue  # written but never committed: the crash came before `latest` moved
+        if at_most is not None and step > at_most:
+            continue
         path = root / f"step-{step}"
         try:
             return path, verify(path)

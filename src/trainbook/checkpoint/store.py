@@ -330,6 +330,19 @@ class Checkpointer:
             elif step is not None and resumed_step is not None and step > resumed_step:
                 self._trash(path)
 
+    def roll_back_to(self, step: int) -> list[int]:
+        """Training continues from checkpoint `step` (a triage rollback): the newer checkpoints
+        belong to the abandoned trajectory, so they go and `latest` names `step` again. Returns
+        the steps removed (rank 0; [] elsewhere)."""
+        self.wait()
+        if self.rank != 0:
+            return []
+        newer = sorted(s for s in map(step_of, self.root.iterdir()) if s is not None and s > step)
+        for s in newer:
+            self._trash(self.root / f"step-{s}")
+        atomic_write_text(self.root / LATEST, f"step-{step}\n")
+        return newer
+
     def close(self) -> None:
         """Wait for the save in flight and for background deletions."""
         try:

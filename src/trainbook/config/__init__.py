@@ -19,10 +19,11 @@ from trainbook.config.schema import (
     SourceConfig,
     TokenizerConfig,
     TrainConfig,
+    TriageConfig,
 )
 
 __all__ = [
     "ALERT_RULES", "AlertsConfig", "MonitorConfig", "CheckpointConfig", "Config", "DataConfig", "DiagnoseConfig", "LogConfig", "ModelConfig", "OptimConfig",
     "ParallelConfig", "PrecisionConfig", "RunConfig", "ScheduleConfig", "SourceConfig",
-    "TokenizerConfig", "TrainConfig", "dotted_keys", "dump_toml", "load_config", "parse_override",
+    "TokenizerConfig", "TrainConfig", "TriageConfig", "dotted_keys", "dump_toml", "load_config", "parse_override",
 ]

@@ -215,12 +215,16 @@ class TrainLoader:
         )
         self._worker_iter: Iterator[Batch] | None = None
         self._pending: list[Batch] = []  # the rest of the current worker item, in order
+        self._skipped: list[tuple[int, int]] = []  # windows of global samples never delivered (`skip`)
+        self.last_base = 0  # where the last batch was read: its ranks' rows start at this global sample
         self.load_state_dict({"consumed": 0})
 
     def __iter__(self) -> TrainLoader:
         return self
 
     def __next__(self) -> Batch:
+        self._jump_skipped()
+        self.last_base = self.consumed
         if self._workers is None:
             batch = self.reader[self.consumed]
             if self.pin_memory:
@@ -246,6 +250,19 @@ class TrainLoader:
                 for epoch in range(max(1, int(self._epochs[s]) + 1), int(epochs[s]) + 1):
                     self.on_reepoch(self.names[s], epoch)
         self._epochs = epochs
+
+    def skip(self, start: int, end: int) -> None:
+        """Never deliver global samples [start, end): reaching `start`, the loader continues at
+        `end` (a rollback's skipped window; data is never replayed into it after a resume)."""
+        if (start, end) not in self._skipped:
+            self._skipped.append((start, end))
+
+    def _jump_skipped(self) -> None:
+        for start, end in self._skipped:
+            if start <= self.consumed < end:
+                self.consumed = end
+                self._epochs = self.order.epochs_started(self.consumed)
+                self._worker_iter = None  # batches prefetched from inside the window are dropped
 
     def state_dict(self) -> dict[str, int]:
         return {"consumed": self.consumed}

@@ -2,7 +2,7 @@
 
 Pure functions over what a run directory holds (read by `read_evidence`): metrics, events,
 health.json, and the artefacts the diagnosed failures leave (`oom/breakdown.json`,
-`hang/verdict.json`, `incidents/step-N/verdict.json`). Each rule returns a `Finding`: a class,
+`hang/verdict.json`, `incidents/step-N/incident.json`). Each rule returns a `Finding`: a class,
 a one-line summary, evidence lines that quote the run's own numbers (which step, which rank,
 what share of the step time), the next thing to do, and the README playbook that explains it.
 
@@ -73,12 +73,12 @@ class Evidence:
     oom: dict = field(default_factory=dict)
     hang: dict = field(default_factory=dict)
     incidents: list[dict] = field(default_factory=list)
-    """incidents/step-N/verdict.json, by step."""
+    """incidents/step-N/incident.json, by step."""
 
 
 def read_evidence(run: RunRecord) -> Evidence:
     path = run.path
-    incidents = [_json(p) for p in sorted(path.glob("incidents/step-*/verdict.json"), key=_step_of_incident)]
+    incidents = [_json(p) for p in sorted(path.glob("incidents/step-*/incident.json"), key=_step_of_incident)]
     return Evidence(run, health=_json(path / "health.json"), oom=_json(path / "oom" / "breakdown.json"),
                     hang=_json(path / "hang" / "verdict.json"), incidents=[i for i in incidents if i])
 
@@ -140,31 +140,33 @@ def hang(ev: Evidence) -> Finding | None:
 
 
 def nonfinite(ev: Evidence) -> Finding | None:
-    events = [e for e in ev.run.events if e.get("kind") in ("nonfinite", "spike")]
+    """A bad step triage caught (diagnose/triage.py): its incident and what was done about it."""
+    events = [e for e in ev.run.events if e.get("kind") == "incident"]
     if not events and not ev.incidents:
         return None
     first = ev.incidents[0] if ev.incidents else {}
     event = events[0] if events else {}
     step = first.get("step", event.get("step"))
-    kind = first.get("kind") or event.get("kind")
-    evidence = [f"{len(events) or len(ev.incidents)} incident(s); first: {kind} at step {step}"
-                + (f" in {first.get('module') or event.get('module')}" if first.get("module") or event.get("module") else "")
-                + (f" ({first['where']})" if first.get("where") else "")]
+    kind = first.get("kind") or event.get("problem")
+    evidence = [f"{len(events) or len(ev.incidents)} incident(s); first: {kind} at step {step}: "
+                f"{first.get('what') or event.get('what')}; {first.get('located') or event.get('located')}"]
     numbers = {k: first.get(k) for k in ("loss", "lr", "grad_norm", "loss_scale") if first.get(k) is not None}
     if numbers:
-        evidence.append(f"incidents/step-{step}/verdict.json: " + ", ".join(f"{k} {v:g}" if isinstance(v, (int, float))
-                                                                         else f"{k} {v}" for k, v in numbers.items()))
-    transient = first.get("transient", event.get("transient"))
-    if transient is not None:
-        evidence.append("transient: the same batch was fine on a retry" if transient
-                        else "persistent: the same batch fails again (data or model state)")
+        evidence.append(f"incidents/step-{step}/incident.json: " + ", ".join(
+            f"{k} {v:g}" if isinstance(v, (int, float)) else f"{k} {v}" for k, v in numbers.items()))
+    reproducible = (first.get("rerun") or {}).get("reproducible", event.get("reproducible"))
+    if reproducible is not None:
+        evidence.append("reproducible: the re-run of the step on the same batch failed again (data or model state)"
+                        if reproducible else "transient: the re-run of the step on the same batch was clean")
     rollbacks = [e for e in ev.run.events if e.get("kind") == "rollback"]
     if rollbacks:
         r = rollbacks[-1]
-        evidence.append(f"rolled back at step {r.get('step')} to step {r.get('to_step')}, skipping {r.get('skip_batches')} batches")
-    return Finding("nan/spike", first.get("verdict") or f"{kind} at step {step}", evidence,
-                   f"inspect incidents/step-{step}/ (the batch and its source documents); see [triage] policies",
-                   PLAYBOOKS["nan/spike"])
+        evidence.append(f"rolled back at step {r.get('step')} to step {r.get('to_step')}, skipping "
+                        f"{r.get('skipped_batches')} batches (global samples {r['skipped_samples'][0]}-"
+                        f"{r['skipped_samples'][1] - 1})" if r.get("skipped_samples") else "")
+    return Finding("nan/spike", first.get("verdict") or f"{kind} at step {step}", [e for e in evidence if e],
+                   f"inspect incidents/step-{step}/ (batch-dp*.json: the batch and its source documents); "
+                   "see the [triage] policies", PLAYBOOKS["nan/spike"])
 
 
 def failed(ev: Evidence) -> Finding | None:

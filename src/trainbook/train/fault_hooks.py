@@ -15,7 +15,7 @@ import subprocess
 import sys
 import time
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import torch
 from torch import nn
@@ -25,19 +25,32 @@ from trainbook.faults import fault_active, fault_armed, fault_point
 from trainbook.phase import PhaseTracker
 
 
-def attach_block_nan(model: nn.Module, tracker: PhaseTracker) -> None:
-    """`model.block_nan@N`: block `TRAINBOOK_FAULT_BLOCK` puts NaN in its output in step N's
-    training forward (evaluation is left alone). A rank without that block does nothing."""
-    if not fault_armed("model.block_nan"):
+def attach_block_nan(model: nn.Module, tracker: PhaseTracker, data_step: Callable[[], int]) -> None:
+    """Block `TRAINBOOK_FAULT_BLOCK` puts NaN in its output in a training forward (evaluation is
+    left alone); a rank without that block does nothing:
+    `model.block_nan@N`: every training forward of step N (a re-run of the step too);
+    `model.block_nan_once@N`: the first training forward of step N only (a transient fault: the
+    step's re-run is clean);
+    `data.nan_batch@K`: while training on batch K of the data order (`data_step()`, 1-based; step
+    K's batch in a run that skipped no data): a batch that breaks the model, met again by a
+    replay of that data, never by a run that skipped it."""
+    points = ("model.block_nan", "model.block_nan_once", "data.nan_batch")
+    if not any(fault_armed(p) for p in points):
         return
     name = re.compile(rf"(.*\.)?layers\.{int(os.environ.get('TRAINBOOK_FAULT_BLOCK', '0'))}")
     block = next((m for n, m in model.named_modules() if name.fullmatch(n)), None)
     if block is None:
         return
+    poisoned: set[int] = set()  # steps whose first forward was poisoned (block_nan_once)
 
     @torch.compiler.disable  # under train.compile too, an eager hook on the block's output
     def poison(module: nn.Module, args, output: torch.Tensor) -> torch.Tensor | None:
-        if module.training and fault_active("model.block_nan", tracker.current().step):
+        if not module.training:
+            return None
+        step = tracker.current().step
+        once = fault_active("model.block_nan_once", step) and step not in poisoned
+        if fault_active("model.block_nan", step) or once or fault_active("data.nan_batch", data_step()):
+            poisoned.add(step)
             return output + float("nan")  # (B, T, dim), every element NaN
         return None
 

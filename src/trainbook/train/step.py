@@ -52,6 +52,8 @@ class StepResult:
     """The loss scale this step ran with (fp16); None without loss scaling (fp32, bf16)."""
     skipped: bool = False
     """The gradients overflowed: no clipping, no optimizer step, weights untouched."""
+    rejected: object = None
+    """The judge's verdict on a bad step (diagnose/triage.py): no optimizer step, weights untouched."""
 
 
 def train_step(
@@ -64,6 +66,7 @@ def train_step(
     tracker: PhaseTracker,
     before_update: Callable[[], None] | None = None,
     observe_grads: Callable[[], None] | None = None,
+    judge: Callable[[float, float], object] | None = None,
 ) -> StepResult:
     """Forward and backward over `accum_steps` micro-batches, then unscale, clip and step. The
     caller has started the step on `tracker` (`begin_step`), which times its phases.
@@ -74,6 +77,8 @@ def train_step(
     `before_update` runs just before the optimizer changes any state: an async checkpoint still
     copying the previous step's state waits there, overlapped with this step's compute.
     `observe_grads` sees the final gradients before clipping (per-layer statistics).
+    `judge(loss, grad_norm)` sees the step's global loss and gradient norm before the update (NaN
+    and spike triage); a verdict it returns rejects the step: gradients dropped, no update.
     """
     device = engine.rt.device
     loss_scale = scaler.scale_value
@@ -98,19 +103,23 @@ def train_step(
         tracker.enter(Phase.GRAD_SYNC, detail="gradient norm")
         # max_norm=inf measures the norm without clipping, so grad_norm is always reported.
         grad_norm = engine.clip_grad_norm(grad_clip if grad_clip > 0 else float("inf"))
+    scaler.update(found_inf)
+    tracker.enter(Phase.GRAD_SYNC, detail="loss report")
+    loss = engine.report_loss(loss_sum / accum_steps).item()  # on an accelerator: waits for backward
+    grad_norm = grad_norm.item()
+    rejected = judge(loss, grad_norm) if judge is not None and not found_inf else None
+    if not found_inf and rejected is None:
         if before_update is not None:
             tracker.enter(Phase.CHECKPOINT, detail="waiting for the checkpoint copy")
             before_update()
         tracker.enter(Phase.OPTIMIZER)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-    scaler.update(found_inf)
-    tracker.enter(Phase.GRAD_SYNC, detail="loss report")
-    loss = engine.report_loss(loss_sum / accum_steps).item()  # on an accelerator: waits for the step
-    grad_norm = grad_norm.item()
+    elif rejected is not None:
+        optimizer.zero_grad(set_to_none=True)  # a bad step: the weights stay as they are
     return StepResult(
         loss=loss, grad_norm=grad_norm, phases=reported(tracker.take_durations()),
-        loss_scale=loss_scale if scaler.enabled else None, skipped=found_inf,
+        loss_scale=loss_scale if scaler.enabled else None, skipped=found_inf, rejected=rejected,
     )
 
 

@@ -9,6 +9,7 @@ import contextlib
 import dataclasses
 import enum
 import hashlib
+import json
 import logging
 import os
 import random
@@ -22,7 +23,7 @@ import numpy as np
 import torch
 
 import trainbook
-from trainbook.checkpoint import Checkpointer, any_rank, load_state, tensor_entries
+from trainbook.checkpoint import Checkpointer, any_rank, load_state, step_of, tensor_entries
 from trainbook.config import Config, dump_toml
 from trainbook.data import Prepared, TrainLoader, val_batches
 from trainbook.data.loader import DeliveredMix
@@ -32,7 +33,8 @@ from trainbook.diagnose.oom import OutOfMemory
 from trainbook.diagnose.phase_memory import PhaseMemory
 from trainbook.diagnose.profile import StepProfiler, device_sync, phase_boundary
 from trainbook.diagnose.timeouts import explain_timeout
-from trainbook.errors import one_line
+from trainbook.diagnose.triage import Locator, StepBatches, Triage
+from trainbook.errors import DiagnosedFailure, one_line
 from trainbook.faults import fault_point
 from trainbook.model import build_model, num_params
 from trainbook.model.surgery import freeze, reinit, resize_vocab, trainable_summary
@@ -56,7 +58,7 @@ from trainbook.train.fault_hooks import FaultyBatches, attach_block_nan, attach_
 from trainbook.train.optim import build_optimizer, load_optimizer_state, optimizer_state, optimizer_state_like
 from trainbook.train.rng import rng_state, set_rng_state
 from trainbook.train.schedule import LRSchedule
-from trainbook.train.step import evaluate, reported, train_step
+from trainbook.train.step import StepResult, evaluate, reported, train_step
 
 
 class Decision(enum.Enum):
@@ -65,6 +67,7 @@ class Decision(enum.Enum):
     CONTINUE = "continue"
     SKIP = "skip"  # the step's update was dropped (fp16 overflow); training goes on
     STOP = "stop"  # save a checkpoint and stop (a signal reached some rank)
+    FAIL = "fail"  # a bad step under triage policy `stop`: its record goes out, then the verdict (exit 3)
 
 
 def seed_everything(seed: int) -> None:
@@ -90,7 +93,7 @@ class Trainer:
         seed_everything(cfg.run.seed)
         self.engine = self._build_engine()
         self.model = self.engine.model
-        attach_block_nan(self.model, self.tracker)  # only when TRAINBOOK_FAULT arms it
+        attach_block_nan(self.model, self.tracker, self._data_step)  # only when TRAINBOOK_FAULT arms it
         attach_memory_faults(self.model, self.tracker)  # likewise
         self.phase_memory = PhaseMemory(self.tracker, self.device)  # where memory grows (leaks)
         self.optimizer = build_optimizer(self.model, cfg.optim, embeddings=self.engine.embeddings)
@@ -113,10 +116,13 @@ class Trainer:
         self._layer_stats_due: LayerStats | None = None  # armed for this step; finished in publish
         self.tokens = 0
         self.stop_signal: int | None = None  # set by SIGTERM/SIGINT; the loop saves and stops
+        self.failure: DiagnosedFailure | None = None  # set by triage (policy stop); the loop ends with it
         self.accum_steps = cfg.train.grad_accum_steps(dims.dp)
         self.tokens_per_step = self.accum_steps * cfg.train.micro_batch_size * cfg.train.seq_len * dims.dp
         self.flops_per_token = model_flops_per_token(cfg.model, cfg.train.seq_len)
         self.peak, self.peak_note = device_peak(self.device, cfg.precision.dtype)
+        self.triage = Triage(cfg.triage, self.rt, self.run_dir, data, self.train_loader,
+                             samples_per_step=self.tokens_per_step // cfg.train.seq_len)
         # Last: from here on every rank publishes what it does; a hang stops the run with a verdict.
         self.watchdog = start_hang_watchdog(cfg.parallel.hang_watch_s, self.rt, self.tracker, self.run_dir,
                                             self.logger)
@@ -166,13 +172,22 @@ class Trainer:
             on_reepoch=self._on_reepoch,
         )
 
-    def _batches(self) -> DeliveredMix:
+    def _batches(self) -> StepBatches:
         """The loader's batches as the step takes them: through the data path's fault points when
-        TRAINBOOK_FAULT arms one, counted per source last (the mixture really trained on)."""
+        TRAINBOOK_FAULT arms one, counted per source (the mixture really trained on), and kept
+        for the step's re-run should it be bad (triage)."""
         batches = iter(self.train_loader)
         if FaultyBatches.wanted():
             batches = FaultyBatches(batches, self.tracker, self.cfg.model.vocab_size, self.device)
-        return DeliveredMix(batches, len(self.train_loader.names))
+        self.delivered = DeliveredMix(batches, len(self.train_loader.names))
+        return StepBatches(self.delivered, self.train_loader)
+
+    def _data_step(self) -> int:
+        """Which batch of the data order the current step trains on (1-based: step N's in a run
+        that never skipped data); 0 before its first micro-batch is read."""
+        if not self.batches.taken:
+            return 0
+        return self.batches.taken[0][0] // (self.tokens_per_step // self.cfg.train.seq_len) + 1
 
     def _on_reepoch(self, source: str, epoch: int) -> None:
         # Called from inside a step's data phase, after the monitors exist.
@@ -238,12 +253,17 @@ class Trainer:
             with self._signals_stop_the_loop():
                 while self.step < t.max_steps:
                     report = self.advance()
+                    if report is None:  # rolled back (triage): on from the checkpoint
+                        continue
                     if self.val_batches and (self.step % t.eval_every == 0 or self.step == t.max_steps):
                         last_eval = self._evaluate()
                     decision = self.decide(report)
-                    if decision is Decision.STOP or self.checkpointer.due(self.step, t.max_steps):
+                    if decision is Decision.STOP or (decision is not Decision.FAIL
+                                                     and self.checkpointer.due(self.step, t.max_steps)):
                         self._save_checkpoint()
                     report = self.publish(report)  # its record covers the eval and checkpoint above
+                    if decision is Decision.FAIL:
+                        raise self.failure
                     if decision is Decision.STOP:
                         self._on_stop()
                         break
@@ -265,9 +285,10 @@ class Trainer:
                 "val_loss": last_eval, "run_dir": str(self.run_dir),
                 "stopped_by": signal.Signals(self.stop_signal).name if self.stop_signal else None}
 
-    def advance(self) -> StepReport:
+    def advance(self) -> StepReport | None:
         """One optimizer step: set the LR, run train_step, count. Its report goes to the monitors
-        once what follows the step (evaluation, checkpoint) is timed too (`publish`)."""
+        once what follows the step (evaluation, checkpoint) is timed too (`publish`). None: the
+        step was bad and the run rolled back to a checkpoint (triage)."""
         lr = self.schedule(self.step)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
@@ -279,10 +300,18 @@ class Trainer:
         start, waited = time.perf_counter(), cpu_wait_s()
         self._step_start = start
         self.tracker.begin_step(self.step + 1)
+        self.batches.begin()
+        judge = (lambda loss, norm: self.triage.judge(loss, norm, lr)) if self.triage.enabled else None
         try:
             result = train_step(self.engine, self.optimizer, self.batches, self.accum_steps, self.cfg.optim.grad_clip,
                                 self.scaler, self.tracker, before_update=self._before_update,
-                                observe_grads=stats.observe_grads if stats is not None else None)
+                                observe_grads=stats.observe_grads if stats is not None else None, judge=judge)
+            if result.rejected is not None:
+                result = self._triage(result, judge)
+                if result is None:
+                    return None
+            elif not result.skipped:
+                self.triage.accept(result.loss, lr)
         except RuntimeError as e:
             raise self._explain(e) from e
         elapsed = time.perf_counter() - start
@@ -327,13 +356,87 @@ class Trainer:
             self.profiler.after_step(self.step)
         return report
 
+    def _triage(self, first: StepResult, judge) -> StepResult | None:
+        """A bad step (diagnose/triage.py), on every rank together: re-run it once on the same
+        batches and weights with every module watched, write the incident, apply the policy.
+        Returns the step's result (the re-run's update applied if it was clean; none if the step
+        is skipped), or None after a rollback; raises DiagnosedFailure under `stop`."""
+        step, verdict, triage = self.step + 1, first.rejected, self.triage
+        grads = triage.block_grad_norms(self.model)
+        with Locator(self.model, self.engine.in_training_forward) as locator:
+            rerun = train_step(self.engine, self.optimizer, self.batches.replay(locator), self.accum_steps,
+                               self.cfg.optim.grad_clip, self.scaler, self.tracker, before_update=self._before_update,
+                               observe_grads=grads, judge=judge)
+        located = triage.locate(locator).describe(len(self.batches.taken))
+        reproducible = rerun.rejected is not None
+        action = triage.policy(verdict) if reproducible else "continue"
+        target, why = None, ""
+        if action == "rollback":
+            self.checkpointer.wait()  # an async save of an earlier step counts as a checkpoint
+            target = triage.rollback_target(step)
+            if triage.rollbacks >= self.cfg.triage.max_rollbacks:
+                action, why = "stop", f" (triage.max_rollbacks = {self.cfg.triage.max_rollbacks} reached)"
+            elif target is None:
+                action, why = "stop", " (no checkpoint to roll back to)"
+        skip = self.cfg.triage.rollback_skip_batches
+        said = {"continue": "the re-run's update was applied",
+                "skip": "step skipped, weights unchanged",
+                "stop": "training stopped" + why,
+                "rollback": f"rolled back to checkpoint {target.name if target else ''} and skipping the "
+                            f"{skip} batches of data after it"}[action]
+        again = (f"reproducible: the re-run gave loss {rerun.loss:.4g}, grad norm {rerun.grad_norm:.4g}" if reproducible
+                 else f"transient: the re-run was clean (loss {rerun.loss:.4f}, grad norm {rerun.grad_norm:.4g})")
+        where = f"incidents/step-{step}"
+        batch = triage.batch_record(self.batches)
+        changed = sum(not row["matches_source"] for row in batch["rows"])
+        if changed:  # what the loader read is not what the step trained on
+            located += (f"; {changed} of {len(batch['rows'])} rows of batch-dp{self.rt.dp_rank}.json differ from "
+                        "their source's tokens")
+        line = "; ".join([f"step {step}: {verdict.what}", *([located] if reproducible else []), again, said,
+                          f"incident in {where}/"])
+        triage.write_incident(step, verdict, {
+            "loss": first.loss, "grad_norm": first.grad_norm, "lr": self.optimizer.param_groups[0]["lr"],
+            "loss_scale": first.loss_scale, "micro_batches": len(self.batches.taken),
+            "rerun": {"loss": rerun.loss, "grad_norm": rerun.grad_norm, "reproducible": reproducible},
+            "located": located, "block_grad_norms": triage.grad_norms, "policy": triage.policy(verdict),
+            "action": action, "rollback_to": target.name if target else None, "verdict": line,
+        }, batch)
+        self.events.emit("incident", step, problem=verdict.kind, what=verdict.what, located=located,
+                         reproducible=reproducible, action=action, dir=where)
+        if action == "stop":  # the step's record goes out first: its alerts fire (Decision.FAIL)
+            self.failure = DiagnosedFailure(line)
+            return _with_phases_of(first, first, rerun)
+        self.logger.warning(line)
+        self._message(f"triage: {line}")
+        if action == "rollback":
+            self._roll_back(target, step)
+            return None
+        if action == "skip":
+            self.events.emit("skipped_step", step, reason=verdict.what, by="triage")
+        else:
+            self.triage.accept(rerun.loss, self.optimizer.param_groups[0]["lr"])
+        return _with_phases_of(first if reproducible else rerun, first, rerun)
+
+    def _roll_back(self, target: Path, bad_step: int) -> None:
+        """Continue from checkpoint `target` and never read the next `rollback_skip_batches`
+        batches of data after it; newer checkpoints belong to the abandoned trajectory."""
+        removed = self.checkpointer.roll_back_to(step_of(target))
+        self.load_checkpoint(target)
+        start = self.train_loader.consumed
+        end = start + self.cfg.triage.rollback_skip_batches * (self.tokens_per_step // self.cfg.train.seq_len)
+        self.train_loader.skip(start, end)
+        self.triage.rollbacks += 1
+        self.events.emit("rollback", bad_step, to_step=self.step, path=str(target.relative_to(self.run_dir)),
+                         skipped_samples=[start, end], skipped_batches=self.cfg.triage.rollback_skip_batches,
+                         removed_checkpoints=removed)
+
     def _gather(self, step_time: float, data_wait: float, mem: int) -> dict:
         """At the logging cadence: every rank's step time, data wait and peak memory (`ranks`,
         when distributed), and the rows of each source all ranks took since the last time
         (`data_mix`). One collective, on the steps every rank agrees are due."""
         if not due(self.step, self.cfg.log.every_steps, self.cfg.train.max_steps):
             return {}
-        rows = self.batches.take().tolist()
+        rows = self.delivered.take().tolist()
         if not self.rt.distributed:
             return {"data_mix": self.train_loader.mixture_share(np.array(rows))}
         table = self.rt.all_gather_floats([step_time, data_wait, float(mem), *rows])
@@ -349,9 +452,12 @@ class Trainer:
 
         Every rank reaches the same decision (`any_rank` is a collective). Today: stop when a
         signal reached any rank; a step whose gradients overflowed (fp16) was already skipped by
-        the loss scaler and is recorded here. Detectors that judge a step (NaN and loss-spike
-        triage: skip the batch or roll back to a checkpoint) give their verdict here too.
+        the loss scaler and is recorded here. NaN and loss-spike triage judged the step inside
+        it (all ranks together, before the update) and acted on skip and rollback already; its
+        `stop` ends the run here, once the step's record is out.
         """
+        if self.failure is not None:  # every rank's triage reached it together
+            return Decision.FAIL
         if any_rank(self.stop_signal is not None):
             return Decision.STOP
         if report.skipped:
@@ -439,6 +545,23 @@ class Trainer:
         self.train_loader.load_state_dict({k: int(v) for k, v in state["data"].items()})
         if "rng" in state:
             set_rng_state(state["rng"][rng_key])
+        for start, end in self.rt.rank0_first(self._skipped_windows):  # a rollback's windows, never replayed
+            self.train_loader.skip(start, end)
+
+    def _skipped_windows(self) -> list[tuple[int, int]]:
+        """The data windows this run's rollbacks skipped (events.jsonl, the run's record)."""
+        path = self.run_dir / "events.jsonl"
+        if not path.is_file():
+            return []
+        windows = []
+        for line in path.read_text(encoding="utf-8").splitlines():
+            try:
+                event = json.loads(line)
+            except ValueError:  # a line cut short by a crash
+                continue
+            if event.get("kind") == "rollback":
+                windows.append(tuple(event["skipped_samples"]))
+        return windows
 
     def record_resume(self, path: Path, **facts) -> None:
         """Say in the log and events.jsonl where this run continues from, and what was skipped."""
@@ -497,6 +620,11 @@ class Trainer:
                 stack.callback(self.profiler.close)
             stack.callback(self.oom.close)
             stack.callback(self.phase_memory.close)
+
+
+def _with_phases_of(result: StepResult, *runs: StepResult) -> StepResult:
+    """`result`, timed as the step really ran: its first run and its re-run together."""
+    return dataclasses.replace(result, phases={k: sum(r.phases[k] for r in runs) for k in result.phases})
 
 
 def _process() -> dict:
