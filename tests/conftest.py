@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -108,6 +109,12 @@ def run_cli(
         [sys.executable, "-m", "trainbook", *args],
         cwd=cwd, capture_output=True, text=True, timeout=timeout, env=env,
     )
+
+
+def worker_exits(stderr: str) -> dict[int, int]:
+    """Each failed worker's exit code by rank, from torchrun's failure summary."""
+    found = re.findall(r"rank\s*:\s*(\d+) \(local_rank: \d+\)\s*\n\s*exitcode\s*:\s*(-?\d+)", stderr)
+    return {int(rank): int(code) for rank, code in found}
 
 
 def files_under(*roots: Path) -> dict[str, tuple[int, bytes] | None]:

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import run_cli, run_cli_error, write_corpus, write_recipe
+from tests.conftest import run_cli, run_cli_error, worker_exits, write_corpus, write_recipe
 
 pytestmark = pytest.mark.slow
 
@@ -45,12 +45,6 @@ def _hang(recipe: Path, run_dir: Path, action: str):
     done = run_cli("run", str(recipe), *QUICK, "--run-dir", str(run_dir), "--nproc", "2", cwd=recipe.parent,
                    env=env, timeout=600)
     return done, time.time() - reached.stat().st_mtime
-
-
-def _worker_exits(stderr: str) -> dict[int, int]:
-    """Each failed worker's exit code by rank, from torchrun's failure summary."""
-    found = re.findall(r"rank\s*:\s*(\d+) \(local_rank: \d+\)\s*\n\s*exitcode\s*:\s*(-?\d+)", stderr)
-    return {int(rank): int(code) for rank, code in found}
 
 
 def _verdict_line(stderr: str) -> str:
@@ -85,7 +79,7 @@ def test_rank_sleeping_in_data_loading_is_named_with_its_stacks(recipe, tmp_path
         [(3, [1], "hang", verdict["verdict"])]
     assert _events(run_dir)[-1]["kind"] == "end" and _events(run_dir)[-1]["status"] == "failed"
     # Every process gone, each with a non-zero code, within the contract's bound of the stall.
-    assert _worker_exits(done.stderr) == {0: 3, 1: 3}, done.stderr
+    assert worker_exits(done.stderr) == {0: 3, 1: 3}, done.stderr
     assert seconds < HANG_TIMEOUT_S + 45, seconds
 
 
@@ -105,7 +99,7 @@ def test_stopped_rank_is_named_from_its_last_record_and_killed(recipe, tmp_path)
     stacks = (run_dir / "hang" / "rank1.txt").read_text()
     assert "py-spy" in stacks and re.search(r"fault_point .*\n\s+FaultyBatches.__next__ ", stacks), stacks
     # The stopped rank was killed (SIGKILL: -9), the live one exited 3, all within the bound.
-    assert _worker_exits(done.stderr) == {0: 3, 1: -9}, done.stderr
+    assert worker_exits(done.stderr) == {0: 3, 1: -9}, done.stderr
     with pytest.raises(ProcessLookupError):
         os.kill(verdict["stuck"][0]["pid"], 0)
     assert seconds < HANG_TIMEOUT_S + 45, seconds
