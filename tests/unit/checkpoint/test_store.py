@@ -177,3 +177,13 @@ def test_not_a_checkpoint(tmp_path):
         load_state(tmp_path, {})
     with pytest.raises(TrainbookError, match="neither a run directory nor a checkpoint"):
         locate(tmp_path)
+
+
+def test_a_rollback_removes_the_newer_checkpoints_and_points_latest_back(tmp_path):
+    _save_steps(tmp_path, [2, 4, 6, 8], keep_last=10)
+    assert newest_valid(tmp_path, lambda *_: None, at_most=7)[0] == tmp_path / "step-6"
+    ckpt = Checkpointer(tmp_path, CheckpointConfig(keep_last=10))
+    assert ckpt.roll_back_to(4) == [6, 8]
+    ckpt.close()
+    assert _names(tmp_path) == ["latest", "step-2", "step-4"] and read_latest(tmp_path) == 4
+    assert newest_valid(tmp_path, lambda *_: None)[0] == tmp_path / "step-4"

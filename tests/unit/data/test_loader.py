@@ -248,3 +248,38 @@ def test_val_split_without_a_sample_is_an_error(tmp_path):
     assert err.value.where == "data.val_fraction"
     with pytest.raises(TrainbookError):
         val_batches(TokenStream([]), seq_len=T, micro_batch_size=B, n_batches=2)
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_a_skipped_window_is_never_delivered(streams, num_workers):
+    """Global samples [3B, 6B) skipped: batch 3 is followed by what batch 6 would have been."""
+    reference = _loader(streams)
+    expected = [next(reference) for _ in range(9)]
+    loader = _loader(streams, num_workers=num_workers)
+    try:
+        loader.skip(3 * B, 6 * B)
+        got = [next(loader) for _ in range(6)]
+        assert loader.last_base == 8 * B and loader.state_dict() == {"consumed": 9 * B}
+    finally:
+        loader.close()
+    for batch, want in zip(got, expected[:3] + expected[6:], strict=True):
+        assert torch.equal(batch.inputs, want.inputs) and torch.equal(batch.sources, want.sources)
+
+
+def test_provenance_names_each_rows_source_sample_and_document(tmp_path):
+    from trainbook.data.provenance import batch_rows, document_span
+
+    eos = 9
+    tokens = np.array([1, 2, eos, 3, 4, 5, 6, 7, eos, 8, 8, 8, 8, 8, 8, 8, 8], dtype=np.uint32)  # 3 documents
+    directory = tmp_path / "docs"
+    directory.mkdir()
+    writer = ShardWriter(directory, "train", np.dtype(np.uint32), 1 << 20)
+    writer.add(tokens)
+    stream = TokenStream([directory / name for name in writer.close()])
+    assert document_span(stream, 4, 6, eos) == (3, 9, False)  # inside the second document, to its EOS
+    assert document_span(stream, 1, 5, eos) == (0, 9, False)  # across the first EOS: both documents
+    assert document_span(stream, 10, 12, eos, limit=2) == (8 + 1, 14, True)  # no EOS within the limit after
+    loader = TrainLoader({"docs": stream}, {"docs": 1.0}, seq_len=2, micro_batch_size=2, seed=0, rank=1, world_size=2)
+    rows = batch_rows(loader, base=4)  # rank 1's rows of the read at global sample 4: samples 6 and 7
+    source, ids = loader.order.sample_ids(np.array([6, 7]))
+    assert rows == [("docs", int(i), int(i) * 2) for i in ids] and set(source.tolist()) == {0}
