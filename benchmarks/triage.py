@@ -1,0 +1,104 @@
+"""What does NaN and spike triage cost, and how soon is a bad step written up?
+
+1. Overhead: the default recipe with triage judging every step (`on_nonfinite = "stop"`, and
+   `on_spike = "skip"` so the robust spike rule runs too) against triage off (both `ignore`),
+   trained from the same weights in alternating order (this machine is noisy), `Trainer.fit()`
+   timed. Clean runs: losses must be bitwise equal on both sides (judging only reads), else the
+   script fails. Prints the tokens/s ratio (on / off) per round; exits non-zero when the median is
+   below 0.99 (the check must cost at most 1% of step time).
+2. Latency: the same recipe with NaN put into block 1's output at step `--nan-step`: the seconds
+   from the end of the step before it (its metrics.jsonl record) to the `incident` event, which is
+   written once the incident directory is complete. That span holds the bad step itself, its
+   re-run with a hook on every module, and the writing; the clean step time is printed beside it.
+
+    .venv/bin/python benchmarks/triage.py [--rounds 3] [--steps 200] [--nan-step 50] [k=v ...]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+from pathlib import Path
+
+from monitoring import train  # noqa: E402 - benchmarks/ is the script's own directory
+
+from trainbook.commands.preflight import prepare_data
+from trainbook.commands.recipe import default_recipe
+from trainbook.commands.resolve import resolve
+from trainbook.errors import DiagnosedFailure
+
+GOAL = 0.99
+ON = ["triage.on_nonfinite=stop", "triage.on_spike=skip"]
+OFF = ["triage.on_nonfinite=ignore", "triage.on_spike=ignore"]
+
+
+def latency(common: list[str], nan_step: int, run_dir: Path, console: Path, data) -> tuple[float, float]:
+    """(seconds from step nan_step - 1's record to the incident event, median clean step time)."""
+    os.environ.update(TRAINBOOK_FAULT=f"model.block_nan@{nan_step}", TRAINBOOK_FAULT_BLOCK="1")
+    try:
+        train(common + ON + [f"train.max_steps={nan_step + 1}", "log.every_steps=1"], run_dir, console, data)
+        raise RuntimeError("the NaN did not stop the run")
+    except DiagnosedFailure:
+        pass
+    finally:
+        del os.environ["TRAINBOOK_FAULT"], os.environ["TRAINBOOK_FAULT_BLOCK"]
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    before = next(r["time"] for r in records if r["kind"] == "train" and r["step"] == nan_step - 1)
+    events = [json.loads(line) for line in (run_dir / "events.jsonl").read_text().splitlines()]
+    incident = next(e["time"] for e in events if e["kind"] == "incident")
+    step_time = statistics.median(r["step_time_s"] for r in records if r["kind"] == "train" and r["step"] < nan_step)
+    return incident - before, step_time
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=200)
+    parser.add_argument("--nan-step", type=int, default=50)
+    parser.add_argument("overrides", nargs="*", help="recipe overrides for both sides")
+    args = parser.parse_args()
+
+    common = [*args.overrides, "train.eval_every=0", "monitor.layer_stats_every=0"]
+    res = resolve(default_recipe(), common + [f"train.max_steps={args.steps}"], world_size=1)
+    data = prepare_data(res, log=lambda *a: None)
+    tokens = args.steps * res.tokens_per_step
+    print(f"default recipe, {args.steps} steps x {res.tokens_per_step:,} tokens, {args.rounds} rounds; "
+          f"on: {' '.join(ON)}; off: {' '.join(OFF)}", flush=True)
+    ratios, same = [], True
+    with tempfile.TemporaryDirectory() as tmp:
+        tmp = Path(tmp)
+        for i in range(args.rounds + 1):  # round 0 warms both up
+            sides = {}
+            for name in (["on", "off"] if i % 2 == 0 else ["off", "on"]):
+                sides[name] = train(common + [f"train.max_steps={args.steps}"] + (ON if name == "on" else OFF),
+                                    tmp / f"{name}-{i}", tmp / "console.txt", data)
+            equal = sides["on"][0] == sides["off"][0]
+            same = same and equal
+            if i == 0:
+                print(f"warm-up: losses bitwise equal: {equal}", flush=True)
+                continue
+            ratios.append(sides["off"][1] / sides["on"][1])
+            print(f"round {i}: on {tokens / sides['on'][1]:,.0f} tok/s  off {tokens / sides['off'][1]:,.0f} tok/s  "
+                  f"ratio {ratios[-1]:.4f}  bitwise equal {equal}", flush=True)
+        spans = [latency(common, args.nan_step, tmp / f"nan-{i}", tmp / "console.txt", data) for i in range(args.rounds)]
+
+    median = statistics.median(ratios)
+    print(f"ratio (triage on / off tokens/s): median {median:.4f} over {len(ratios)} rounds "
+          f"(min {min(ratios):.4f}, max {max(ratios):.4f}); goal >= {GOAL}")
+    print("NaN at step {}: incident written {} s after the step before it ended (clean step {} s)".format(
+        args.nan_step, ", ".join(f"{s:.3f}" for s, _ in spans), ", ".join(f"{t:.3f}" for _, t in spans)))
+    if not same:
+        print("FAIL: triage changed the training")
+        return 1
+    if median < GOAL:
+        print(f"FAIL: triage costs more than {100 * (1 - GOAL):.0f}% of step time")
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
