@@ -31,7 +31,7 @@ import json
 import math
 from collections import deque
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -211,17 +211,15 @@ def _ranks(ranks: list[int]) -> str:
 
 @dataclass
 class Outcome:
-    """What triage did with a bad step: `action` is "continue" (transient: the re-run's update was
-    applied), "skip", "stop" or "rollback"; `line` is the verdict the user sees."""
+    """What triage made of a bad step: `action` is "continue" (transient: the re-run's update was
+    applied), "skip", "stop" or "rollback" (to `rollback_to`); `line` is the verdict the user
+    sees, `event` the incident event's fields, `rerun` the re-run's StepResult."""
 
     action: str
     line: str
-    result: object = None
-    """The StepResult the step reports (the re-run's)."""
+    event: dict
+    rerun: object
     rollback_to: Path | None = None
-    skipped: tuple[int, int] | None = None
-    """Rollback: the window of global samples [start, end) never read."""
-    extra: dict = field(default_factory=dict)
 
 
 class Triage:
@@ -268,6 +266,53 @@ class Triage:
         return self.cfg.on_nonfinite if verdict.kind == "nonfinite" else self.cfg.on_spike
 
     # ---- after a bad step (every rank together) -------------------------------------------------
+
+    def handle(self, step: int, first, lr: float, batches: StepBatches, model: nn.Module,
+               active: Callable[[], bool], rerun: Callable[[Iterator[Batch], Callable[[], None]], object],
+               wait_for_saves: Callable[[], None]) -> Outcome:
+        """Step `step` was rejected (`first`: its StepResult): re-run it on the same batches and
+        weights with every module watched (`rerun(batches, observe_grads)` runs train_step), write
+        the incident and decide what the policy does. Every rank, together."""
+        verdict = first.rejected
+        observe = self.block_grad_norms(model)
+        with Locator(model, active) as locator:
+            again = rerun(batches.replay(locator), observe)
+        reproducible = again.rejected is not None
+        located = self.locate(locator).describe(len(batches.taken))
+        action = self.policy(verdict) if reproducible else "continue"
+        target, why = None, ""
+        if action == "rollback":
+            wait_for_saves()
+            target = self.rollback_target(step)
+            if self.rollbacks >= self.cfg.max_rollbacks:
+                action, why = "stop", f" (triage.max_rollbacks = {self.cfg.max_rollbacks} reached)"
+            elif target is None:
+                action, why = "stop", " (no checkpoint to roll back to)"
+        batch = self.batch_record(batches)
+        changed = sum(not row["matches_source"] for row in batch["rows"])
+        if changed:  # what the loader read is not what the step trained on
+            located += (f"; {changed} of {len(batch['rows'])} rows of batch-dp{self.rt.dp_rank}.json differ from "
+                        "their source's tokens")
+        said = {"continue": "the re-run's update was applied", "skip": "step skipped, weights unchanged",
+                "stop": "training stopped" + why,
+                "rollback": f"rolled back to checkpoint {target.name if target else ''} and skipping the "
+                            f"{self.cfg.rollback_skip_batches} batches of data after it"}[action]
+        rerun_said = (f"reproducible: the re-run gave loss {again.loss:.4g}, grad norm {again.grad_norm:.4g}"
+                      if reproducible else
+                      f"transient: the re-run was clean (loss {again.loss:.4f}, grad norm {again.grad_norm:.4g})")
+        where = f"incidents/step-{step}"
+        line = "; ".join([f"step {step}: {verdict.what}", *([located] if reproducible else []), rerun_said, said,
+                          f"incident in {where}/"])
+        self.write_incident(step, verdict, {
+            "loss": first.loss, "grad_norm": first.grad_norm, "lr": lr, "loss_scale": first.loss_scale,
+            "micro_batches": len(batches.taken),
+            "rerun": {"loss": again.loss, "grad_norm": again.grad_norm, "reproducible": reproducible},
+            "located": located, "block_grad_norms": self.grad_norms, "policy": self.policy(verdict),
+            "action": action, "rollback_to": target.name if target else None, "verdict": line,
+        }, batch)
+        event = {"problem": verdict.kind, "what": verdict.what, "located": located, "reproducible": reproducible,
+                 "action": action, "dir": where}
+        return Outcome(action, line, event, again, target)
 
     def locate(self, locator: Locator) -> Located:
         """Every rank's first non-finite module, the earliest kept (pipeline stages in order)."""
@@ -353,3 +398,18 @@ class Triage:
                 })
         return {"dp_rank": self.rt.dp_rank, "global_samples_from": batches.taken[0][0] if batches.taken else None,
                 "rows": rows}
+
+
+def skipped_windows(events_path: Path) -> list[tuple[int, int]]:
+    """The windows of global samples the run's rollbacks skipped, from its events.jsonl."""
+    if not events_path.is_file():
+        return []
+    windows = []
+    for line in events_path.read_text(encoding="utf-8").splitlines():
+        try:
+            event = json.loads(line)
+        except ValueError:  # a line cut short by a crash
+            continue
+        if event.get("kind") == "rollback":
+            windows.append(tuple(event["skipped_samples"]))
+    return windows

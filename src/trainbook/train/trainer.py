@@ -9,7 +9,6 @@ import contextlib
 import dataclasses
 import enum
 import hashlib
-import json
 import logging
 import os
 import random
@@ -33,7 +32,7 @@ from trainbook.diagnose.oom import OutOfMemory
 from trainbook.diagnose.phase_memory import PhaseMemory
 from trainbook.diagnose.profile import StepProfiler, device_sync, phase_boundary
 from trainbook.diagnose.timeouts import explain_timeout
-from trainbook.diagnose.triage import Locator, StepBatches, Triage
+from trainbook.diagnose.triage import StepBatches, Triage, skipped_windows
 from trainbook.errors import DiagnosedFailure, one_line
 from trainbook.faults import fault_point
 from trainbook.model import build_model, num_params
@@ -357,65 +356,33 @@ class Trainer:
         return report
 
     def _triage(self, first: StepResult, judge) -> StepResult | None:
-        """A bad step (diagnose/triage.py), on every rank together: re-run it once on the same
-        batches and weights with every module watched, write the incident, apply the policy.
-        Returns the step's result (the re-run's update applied if it was clean; none if the step
-        is skipped), or None after a rollback; raises DiagnosedFailure under `stop`."""
-        step, verdict, triage = self.step + 1, first.rejected, self.triage
-        grads = triage.block_grad_norms(self.model)
-        with Locator(self.model, self.engine.in_training_forward) as locator:
-            rerun = train_step(self.engine, self.optimizer, self.batches.replay(locator), self.accum_steps,
-                               self.cfg.optim.grad_clip, self.scaler, self.tracker, before_update=self._before_update,
-                               observe_grads=grads, judge=judge)
-        located = triage.locate(locator).describe(len(self.batches.taken))
-        reproducible = rerun.rejected is not None
-        action = triage.policy(verdict) if reproducible else "continue"
-        target, why = None, ""
-        if action == "rollback":
-            self.checkpointer.wait()  # an async save of an earlier step counts as a checkpoint
-            target = triage.rollback_target(step)
-            if triage.rollbacks >= self.cfg.triage.max_rollbacks:
-                action, why = "stop", f" (triage.max_rollbacks = {self.cfg.triage.max_rollbacks} reached)"
-            elif target is None:
-                action, why = "stop", " (no checkpoint to roll back to)"
-        skip = self.cfg.triage.rollback_skip_batches
-        said = {"continue": "the re-run's update was applied",
-                "skip": "step skipped, weights unchanged",
-                "stop": "training stopped" + why,
-                "rollback": f"rolled back to checkpoint {target.name if target else ''} and skipping the "
-                            f"{skip} batches of data after it"}[action]
-        again = (f"reproducible: the re-run gave loss {rerun.loss:.4g}, grad norm {rerun.grad_norm:.4g}" if reproducible
-                 else f"transient: the re-run was clean (loss {rerun.loss:.4f}, grad norm {rerun.grad_norm:.4g})")
-        where = f"incidents/step-{step}"
-        batch = triage.batch_record(self.batches)
-        changed = sum(not row["matches_source"] for row in batch["rows"])
-        if changed:  # what the loader read is not what the step trained on
-            located += (f"; {changed} of {len(batch['rows'])} rows of batch-dp{self.rt.dp_rank}.json differ from "
-                        "their source's tokens")
-        line = "; ".join([f"step {step}: {verdict.what}", *([located] if reproducible else []), again, said,
-                          f"incident in {where}/"])
-        triage.write_incident(step, verdict, {
-            "loss": first.loss, "grad_norm": first.grad_norm, "lr": self.optimizer.param_groups[0]["lr"],
-            "loss_scale": first.loss_scale, "micro_batches": len(self.batches.taken),
-            "rerun": {"loss": rerun.loss, "grad_norm": rerun.grad_norm, "reproducible": reproducible},
-            "located": located, "block_grad_norms": triage.grad_norms, "policy": triage.policy(verdict),
-            "action": action, "rollback_to": target.name if target else None, "verdict": line,
-        }, batch)
-        self.events.emit("incident", step, problem=verdict.kind, what=verdict.what, located=located,
-                         reproducible=reproducible, action=action, dir=where)
-        if action == "stop":  # the step's record goes out first: its alerts fire (Decision.FAIL)
-            self.failure = DiagnosedFailure(line)
-            return _with_phases_of(first, first, rerun)
-        self.logger.warning(line)
-        self._message(f"triage: {line}")
-        if action == "rollback":
-            self._roll_back(target, step)
-            return None
-        if action == "skip":
-            self.events.emit("skipped_step", step, reason=verdict.what, by="triage")
+        """A bad step, on every rank together (diagnose/triage.py: the re-run, the incident, the
+        policy's verdict). Returns the step's result, or None after a rollback; under `stop` the
+        step's record still goes out before the run ends (Decision.FAIL)."""
+        step = self.step + 1
+        lr = self.optimizer.param_groups[0]["lr"]
+        out = self.triage.handle(
+            step, first, lr, self.batches, self.model, self.engine.in_training_forward,
+            rerun=lambda batches, observe: train_step(
+                self.engine, self.optimizer, batches, self.accum_steps, self.cfg.optim.grad_clip, self.scaler,
+                self.tracker, before_update=self._before_update, observe_grads=observe, judge=judge),
+            wait_for_saves=self.checkpointer.wait,  # an async save of an earlier step is a checkpoint too
+        )
+        self.events.emit("incident", step, **out.event)
+        if out.action == "stop":
+            self.failure = DiagnosedFailure(out.line)
         else:
-            self.triage.accept(rerun.loss, self.optimizer.param_groups[0]["lr"])
-        return _with_phases_of(first if reproducible else rerun, first, rerun)
+            self.logger.warning(out.line)
+            self._message(f"triage: {out.line}")
+        if out.action == "rollback":
+            self._roll_back(out.rollback_to, step)
+            return None
+        if out.action == "skip":
+            self.events.emit("skipped_step", step, reason=first.rejected.what, by="triage")
+        if out.action == "continue":  # transient: the re-run's update was applied
+            self.triage.accept(out.rerun.loss, lr)
+        kept = out.rerun if out.action == "continue" else first
+        return dataclasses.replace(kept, phases={k: v + out.rerun.phases[k] for k, v in first.phases.items()})
 
     def _roll_back(self, target: Path, bad_step: int) -> None:
         """Continue from checkpoint `target` and never read the next `rollback_skip_batches`
@@ -545,23 +512,9 @@ class Trainer:
         self.train_loader.load_state_dict({k: int(v) for k, v in state["data"].items()})
         if "rng" in state:
             set_rng_state(state["rng"][rng_key])
-        for start, end in self.rt.rank0_first(self._skipped_windows):  # a rollback's windows, never replayed
+        # The data windows this run's rollbacks skipped (events.jsonl) are never read again.
+        for start, end in self.rt.rank0_first(lambda: skipped_windows(self.run_dir / "events.jsonl")):
             self.train_loader.skip(start, end)
-
-    def _skipped_windows(self) -> list[tuple[int, int]]:
-        """The data windows this run's rollbacks skipped (events.jsonl, the run's record)."""
-        path = self.run_dir / "events.jsonl"
-        if not path.is_file():
-            return []
-        windows = []
-        for line in path.read_text(encoding="utf-8").splitlines():
-            try:
-                event = json.loads(line)
-            except ValueError:  # a line cut short by a crash
-                continue
-            if event.get("kind") == "rollback":
-                windows.append(tuple(event["skipped_samples"]))
-        return windows
 
     def record_resume(self, path: Path, **facts) -> None:
         """Say in the log and events.jsonl where this run continues from, and what was skipped."""
@@ -620,11 +573,6 @@ class Trainer:
                 stack.callback(self.profiler.close)
             stack.callback(self.oom.close)
             stack.callback(self.phase_memory.close)
-
-
-def _with_phases_of(result: StepResult, *runs: StepResult) -> StepResult:
-    """`result`, timed as the step really ran: its first run and its re-run together."""
-    return dataclasses.replace(result, phases={k: sum(r.phases[k] for r in runs) for k in result.phases})
 
 
 def _process() -> dict:
