@@ -25,6 +25,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -74,10 +75,34 @@ def train(overrides: list[str], run_dir: Path, console: Path, data) -> tuple[lis
         losses = Losses()
         trainer.monitors.add(losses)
         start = time.perf_counter()
-        trainer.fit()
-        seconds = time.perf_counter() - start
-        trainer.close()
+        try:
+            trainer.fit()
+            seconds = time.perf_counter() - start
+        finally:
+            trainer.close()  # also after a run that stops on a failure (its log handlers go)
     return losses.losses, seconds
+
+
+def interleaved(rounds: int, common: list[str], on: Callable[[], list[str]], off: list[str], tmp: Path, data,
+                tokens: int) -> tuple[list[float], bool]:
+    """Both sides trained in each round, in alternating order (this machine is noisy), after a
+    round 0 that warms both up: the on/off tokens/s ratio of each round, and whether every round's
+    losses were bitwise equal on both sides. `on()` gives the "on" side's overrides of a round."""
+    ratios, same = [], True
+    for i in range(rounds + 1):
+        sides = {}
+        for name in (["on", "off"] if i % 2 == 0 else ["off", "on"]):
+            sides[name] = train(common + (on() if name == "on" else off), tmp / f"{name}-{i}", tmp / "console.txt",
+                                data)
+        equal = sides["on"][0] == sides["off"][0]
+        same = same and equal
+        if i == 0:
+            print(f"warm-up: losses bitwise equal: {equal}", flush=True)
+            continue
+        ratios.append(sides["off"][1] / sides["on"][1])
+        print(f"round {i}: on {tokens / sides['on'][1]:,.0f} tok/s  off {tokens / sides['off'][1]:,.0f} tok/s  "
+              f"ratio {ratios[-1]:.4f}  bitwise equal {equal}", flush=True)
+    return ratios, same
 
 
 def main() -> int:
@@ -98,24 +123,10 @@ def main() -> int:
           f"on: layer statistics every {res.cfg.monitor.layer_stats_every} steps, TensorBoard, Prometheus, "
           f"alerts {res.cfg.alerts.rules} with a webhook", flush=True)
 
-    ratios, same = [], True
-    with tempfile.TemporaryDirectory() as tmp:
-        tmp = Path(tmp)
-        for i in range(args.rounds + 1):  # round 0 warms both up
-            on = ["monitor.tensorboard=true", f"monitor.prometheus_port={free_port()}",
+    on = lambda: ["monitor.tensorboard=true", f"monitor.prometheus_port={free_port()}",  # noqa: E731
                   f"alerts.webhook_url=http://127.0.0.1:{server.server_port}/hook"]
-            sides = {}
-            for name in (["on", "off"] if i % 2 == 0 else ["off", "on"]):
-                sides[name] = train(common + (on if name == "on" else off), tmp / f"{name}-{i}", tmp / "console.txt",
-                                    data)
-            equal = sides["on"][0] == sides["off"][0]
-            same = same and equal
-            if i == 0:
-                print(f"warm-up: losses bitwise equal: {equal}", flush=True)
-                continue
-            ratios.append(sides["off"][1] / sides["on"][1])
-            print(f"round {i}: on {tokens / sides['on'][1]:,.0f} tok/s  off {tokens / sides['off'][1]:,.0f} tok/s  "
-                  f"ratio {ratios[-1]:.4f}  bitwise equal {equal}", flush=True)
+    with tempfile.TemporaryDirectory() as tmp:
+        ratios, same = interleaved(args.rounds, common, on, off, Path(tmp), data, tokens)
     server.shutdown()
 
     median = statistics.median(ratios)

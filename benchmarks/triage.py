@@ -24,7 +24,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from monitoring import train  # noqa: E402 - benchmarks/ is the script's own directory
+from monitoring import interleaved, train  # benchmarks/ is the script's own directory
 
 from trainbook.commands.preflight import prepare_data
 from trainbook.commands.recipe import default_recipe
@@ -68,22 +68,10 @@ def main() -> int:
     tokens = args.steps * res.tokens_per_step
     print(f"default recipe, {args.steps} steps x {res.tokens_per_step:,} tokens, {args.rounds} rounds; "
           f"on: {' '.join(ON)}; off: {' '.join(OFF)}", flush=True)
-    ratios, same = [], True
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
-        for i in range(args.rounds + 1):  # round 0 warms both up
-            sides = {}
-            for name in (["on", "off"] if i % 2 == 0 else ["off", "on"]):
-                sides[name] = train(common + [f"train.max_steps={args.steps}"] + (ON if name == "on" else OFF),
-                                    tmp / f"{name}-{i}", tmp / "console.txt", data)
-            equal = sides["on"][0] == sides["off"][0]
-            same = same and equal
-            if i == 0:
-                print(f"warm-up: losses bitwise equal: {equal}", flush=True)
-                continue
-            ratios.append(sides["off"][1] / sides["on"][1])
-            print(f"round {i}: on {tokens / sides['on'][1]:,.0f} tok/s  off {tokens / sides['off'][1]:,.0f} tok/s  "
-                  f"ratio {ratios[-1]:.4f}  bitwise equal {equal}", flush=True)
+        ratios, same = interleaved(args.rounds, common + [f"train.max_steps={args.steps}"], lambda: ON, OFF, tmp,
+                                   data, tokens)
         spans = [latency(common, args.nan_step, tmp / f"nan-{i}", tmp / "console.txt", data) for i in range(args.rounds)]
 
     median = statistics.median(ratios)

@@ -86,6 +86,14 @@ every_steps = 2
     return path
 
 
+def prepared_recipe(tmp: Path) -> Path:
+    """The debug recipe over a new corpus in `tmp`, its data prepared: a module's runs share it."""
+    recipe = write_recipe(tmp / "unit.toml", write_corpus(tmp / "corpus"))
+    done = run_cli("prepare", str(recipe))
+    assert done.returncode == 0, done.stderr
+    return recipe
+
+
 @pytest.fixture(scope="session")
 def shakespeare_cache(tmp_path_factory) -> Path:
     """The embedded default recipe's data, prepared once for every test that runs that recipe."""

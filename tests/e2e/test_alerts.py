@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import PLAY, run_cli, run_cli_error, write_corpus, write_recipe
+from tests.conftest import PLAY, prepared_recipe, run_cli, run_cli_error, write_corpus, write_recipe
 
 PAYLOAD_KEYS = {"run", "rank", "rule", "value", "step", "time", "message", "threshold"}
 # A constant LR well above the debug recipe's: the model learns the plays in a few steps, so a
@@ -35,11 +35,7 @@ LEARNS_FAST = ("optim.lr=3e-3", "schedule.kind=constant", "alerts.window=8", "al
 @pytest.fixture(scope="module")
 def recipe(tmp_path_factory) -> Path:
     """The debug recipe with its data prepared once for every run in this module."""
-    tmp = tmp_path_factory.mktemp("alerts")
-    recipe = write_recipe(tmp / "unit.toml", write_corpus(tmp / "corpus"))
-    done = run_cli("prepare", str(recipe))
-    assert done.returncode == 0, done.stderr
-    return recipe
+    return prepared_recipe(tmp_path_factory.mktemp("alerts"))
 
 
 def _run(recipe: Path, run_dir: Path, *overrides: str, fault: str | None = None, **env: str):

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import run_cli, run_cli_error, worker_exits, write_corpus, write_recipe
+from tests.conftest import prepared_recipe, run_cli, run_cli_error, worker_exits
 
 pytestmark = pytest.mark.slow
 
@@ -29,11 +29,7 @@ QUICK = (f"parallel.hang_timeout_s={HANG_TIMEOUT_S}", "parallel.timeout_s=120", 
 @pytest.fixture(scope="module")
 def recipe(tmp_path_factory) -> Path:
     """The debug recipe with its data prepared once for every run in this module."""
-    tmp = tmp_path_factory.mktemp("hang")
-    recipe = write_recipe(tmp / "unit.toml", write_corpus(tmp / "corpus"))
-    done = run_cli("prepare", str(recipe))
-    assert done.returncode == 0, done.stderr
-    return recipe
+    return prepared_recipe(tmp_path_factory.mktemp("hang"))
 
 
 def _hang(recipe: Path, run_dir: Path, action: str):

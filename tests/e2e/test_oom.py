@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import run_cli, write_corpus, write_recipe
+from tests.conftest import prepared_recipe, run_cli
 
 BREAKDOWN_KEYS = {"step", "rank", "phase", "block", "device", "error", "requested_bytes", "measured", "plan",
                   "alternatives", "considered", "snapshot", "verdict"}
@@ -25,11 +25,7 @@ BREAKDOWN_KEYS = {"step", "rank", "phase", "block", "device", "error", "requeste
 
 @pytest.fixture(scope="module")
 def recipe(tmp_path_factory) -> Path:
-    tmp = tmp_path_factory.mktemp("oom")
-    recipe = write_recipe(tmp / "unit.toml", write_corpus(tmp / "corpus"))
-    done = run_cli("prepare", str(recipe))
-    assert done.returncode == 0, done.stderr
-    return recipe
+    return prepared_recipe(tmp_path_factory.mktemp("oom"))
 
 
 def _events(run_dir: Path) -> list[dict]:

@@ -16,7 +16,7 @@ import pytest
 import torch
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
-from tests.conftest import run_cli, run_cli_error, worker_exits, write_corpus, write_recipe
+from tests.conftest import prepared_recipe, run_cli, run_cli_error, worker_exits
 
 pytestmark = pytest.mark.slow
 
@@ -26,11 +26,7 @@ QUICK = ("log.every_steps=1", "train.eval_every=0", "run.threads=1")
 @pytest.fixture(scope="module")
 def recipe(tmp_path_factory) -> Path:
     """The debug recipe (2 micro-batches of 4 x 32 tokens a step) with its data prepared once."""
-    tmp = tmp_path_factory.mktemp("triage")
-    recipe = write_recipe(tmp / "unit.toml", write_corpus(tmp / "corpus"))
-    done = run_cli("prepare", str(recipe))
-    assert done.returncode == 0, done.stderr
-    return recipe
+    return prepared_recipe(tmp_path_factory.mktemp("triage"))
 
 
 def _run(recipe: Path, run_dir: Path, *overrides: str, fault: str | None = None, block: int = 1,
