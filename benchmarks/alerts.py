@@ -81,7 +81,7 @@ def nan_latency(recipe: Path, tmp: Path, url: str, arrivals: queue.Queue, i: int
     run_dir = tmp / f"nan{i}"
     proc = start_run(recipe, run_dir, url, f"model.block_nan@{NAN_STEP}", f"train.max_steps={NAN_STEP + 1}")
     arrived = first(arrivals, "nonfinite", NAN_STEP)
-    if proc.wait() != 3:  # triage's default policy stops the run on a NaN (a diagnosed failure)
+    if proc.wait() != 5:  # triage's default policy stops the run on a NaN (exit 5, errors.py)
         raise RuntimeError(proc.stderr.read().decode())
     return arrived - step_end(run_dir, NAN_STEP)
 

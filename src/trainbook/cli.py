@@ -37,14 +37,27 @@ def run(
         help="Processes on this machine, started through torch.distributed.run (torchrun).", min=1)] = 1,
     no_check: Annotated[bool, typer.Option(
         "--no-check", help="Skip the preflight of the version lock ([env]) and free disk.")] = False,
+    max_restarts: Annotated[int, typer.Option(
+        help="Elastic restarts: when a worker dies, restart the group from the newest checkpoint, "
+             "up to this many times.", min=0)] = 0,
+    nnodes: Annotated[str, typer.Option(
+        help="Nodes: N, or MIN:MAX to continue on fewer when one is lost (needs --rdzv-endpoint).")] = "1",
+    rdzv_endpoint: Annotated[Optional[str], typer.Option(
+        help="HOST:PORT of the c10d rendezvous every node's launcher meets at.")] = None,
+    rdzv_id: Annotated[Optional[str], typer.Option(
+        help="The run's rendezvous id, the same on every node (default: the run directory's name).")] = None,
 ) -> None:
     """Train a recipe; the run is archived under runs/<name>/<time>-<id>/.
 
     SIGTERM or Ctrl-C saves a checkpoint after the current step and exits (128 + the signal).
+    Exit codes: 0 done, 1 unexpected error, 2 bad input, 3 out of memory, 4 hang, 5 non-finite
+    loss, 6 restarts spent on a repeated failure, 128+N signal N.
     """
+    from trainbook.commands.launch import Elastic
     from trainbook.commands.run import run_command
 
-    text, code = run_command(recipe, overrides, run_dir, resume, nproc, check=not no_check)
+    elastic = Elastic(max_restarts, nnodes, rdzv_endpoint, rdzv_id)
+    text, code = run_command(recipe, overrides, run_dir, resume, nproc, check=not no_check, elastic=elastic)
     if text:
         typer.echo(text)
     raise typer.Exit(code)

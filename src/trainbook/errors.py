@@ -1,5 +1,18 @@
-"""User-facing errors: the CLI prints them as one line and exits with their code (2: bad input;
-3: a failure the run diagnosed and stopped on)."""
+"""User-facing errors: the CLI prints them as one line and exits with their code.
+
+Exit codes (a contract: orchestrators and scripts branch on them):
+
+| code | meaning |
+|---|---|
+| 0 | done (or every step to `train.max_steps` already trained) |
+| 1 | an unexpected error: a bug or a failure nothing diagnosed (the traceback is in the log) |
+| 2 | bad input: recipe, data or command line (one line naming the file and key) |
+| 3 | out of memory, diagnosed (the breakdown is in events.jsonl) |
+| 4 | a hang or a dead peer, diagnosed by the watchdog (`hang/`) |
+| 5 | a non-finite loss or a loss spike stopped by triage (`incidents/step-N/`) |
+| 6 | elastic restarts exhausted: the same failure repeated (`restart` events) |
+| 128+N | stopped by signal N after a checkpoint (143: SIGTERM, 130: SIGINT) |
+"""
 
 from __future__ import annotations
 
@@ -23,10 +36,32 @@ class TrainbookError(Exception):
 
 
 class DiagnosedFailure(TrainbookError):
-    """Training stopped on a failure it diagnosed (out of memory, a hang, a non-finite loss under
-    policy `stop`): the message is the one-line verdict, the evidence is in the run directory."""
+    """Training stopped on a failure it diagnosed: the message is the one-line verdict, the
+    evidence is in the run directory. The subclass names the kind, and so the exit code."""
 
-    exit_code = 3
+    exit_code = 3  # out of memory: the first diagnosis trainbook had, and its code
+
+
+class HangFailure(DiagnosedFailure):
+    """No rank advanced for `parallel.hang_timeout_s` (a hung collective, a stopped or dead peer)."""
+
+    exit_code = 4
+
+
+class NonFiniteFailure(DiagnosedFailure):
+    """Triage stopped the run on a non-finite loss or gradient, or a loss spike (policy `stop`)."""
+
+    exit_code = 5
+
+
+class RepeatedFailure(DiagnosedFailure):
+    """The elastic agent's restarts are spent: the run failed again after each of them."""
+
+    exit_code = 6
+
+
+DIAGNOSED = {cls.__name__: cls for cls in (DiagnosedFailure, HangFailure, NonFiniteFailure, RepeatedFailure)}
+"""Diagnosed failures by name: an `end` event's `error` starts with one of them."""
 
 
 def one_line(e: BaseException, limit: int = 200) -> str:

@@ -2,8 +2,12 @@
 
 `TRAINBOOK_FAULT=<point>@<step>` arms one point at one step; `<point>@<step>+` at that step and
 every later one; a bare `<point>` at every step. Several points: a comma-separated list
-(`model.block_nan@5,train.leak`). `TRAINBOOK_FAULT_RANK=<r>` limits them to one rank. Unset, a
-point costs one environment lookup.
+(`model.block_nan@5,train.leak`). `TRAINBOOK_FAULT_RANK=<r>` limits them to one rank. An item may
+carry its own qualifiers: `:r<R>` (rank R only) and `:a<A>` (elastic attempt A only: the
+agent's restart count, `TORCHELASTIC_RESTART_COUNT`, 0 before any restart), so one list kills
+rank 1 at step 7 of the first attempt and rank 0 at step 13 of the next
+(`train.after_step@7:r1:a0,train.after_step@13:r0:a1`); without `:a` a point fires in every
+attempt (a failure that repeats). Unset, a point costs one environment lookup.
 
 Two kinds of point:
 
@@ -66,10 +70,12 @@ def _steps_armed(point: str) -> list[tuple[int | None, bool]] | None:
     rank = os.environ.get("TRAINBOOK_FAULT_RANK")
     if rank is not None and rank != os.environ.get("RANK", "0"):
         return None
+    here = {"r": os.environ.get("RANK", "0"), "a": os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")}
     found = []
     for item in spec.split(","):
-        name, _, at = item.strip().partition("@")
-        if name == point:
+        armed, *qualifiers = item.strip().split(":")
+        name, _, at = armed.partition("@")
+        if name == point and all(here.get(q[:1]) == q[1:] for q in qualifiers):
             found.append((int(at.rstrip("+")) if at else None, at.endswith("+")))
     return found or None
 

@@ -57,7 +57,7 @@ def test_rank_sleeping_in_data_loading_is_named_with_its_stacks(recipe, tmp_path
     run_dir = tmp_path / "sleeps"
     done, seconds = _hang(recipe, run_dir, "hang")
 
-    assert done.returncode == 3, done.stderr  # a diagnosed failure
+    assert done.returncode == 4, done.stderr  # a diagnosed hang (errors.py)
     line = _verdict_line(done.stderr)
     assert re.search(r"rank 0 waits in \w+ #\d+ \(step 3, forward\); rank 1 \(host [^)]+\) never reached it: "
                      r"it is in data loading of step 3, stack in hang/rank1.txt$", line), line
@@ -83,7 +83,7 @@ def test_stopped_rank_is_named_from_its_last_record_and_killed(recipe, tmp_path)
     run_dir = tmp_path / "stopped"
     done, seconds = _hang(recipe, run_dir, "stop")
 
-    assert done.returncode == 3, done.stderr
+    assert done.returncode == 4, done.stderr
     line = _verdict_line(done.stderr)
     assert re.search(r"rank 0 waits in \w+ #\d+ \(step 3, forward\); rank 1 \(host [^)]+, pid \d+\) cannot speak "
                      r"\(stopped, in a kernel, or in a C call that holds the GIL\) and had not reached it when "

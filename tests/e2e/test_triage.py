@@ -78,7 +78,7 @@ def test_nan_in_block_k_is_located_there_and_stops_the_run(recipe, tmp_path, blo
     done = _run(recipe, run_dir, "train.max_steps=6", "checkpoint.interval_steps=2", fault="model.block_nan@4",
                 block=block)
 
-    assert done.returncode == 3, done.stderr  # a diagnosed failure, under the default policy `stop`
+    assert done.returncode == 5, done.stderr  # a non-finite loss stopped, under the default policy `stop`
     errors = [line for line in done.stderr.splitlines() if line.startswith("trainbook: error: ")]
     assert errors == [f"trainbook: error: step 4: loss is nan; first non-finite output: layers.{block} "
                       "(micro-batch 1 of 2, rank 0); reproducible: the re-run gave loss nan, grad norm nan; "
@@ -195,12 +195,12 @@ def test_two_ranks_agree_on_a_nan_one_of_them_sees(recipe, tmp_path):
     rows = [json.loads((run_dir / "incidents" / "step-4" / f"batch-dp{r}.json").read_text())["rows"] for r in (0, 1)]
     assert len(rows[0]) == len(rows[1]) == 4 and {r["sample"] for r in rows[0]}.isdisjoint({r["sample"] for r in rows[1]})
 
-    # Policy stop on 2 ranks: one verdict line, both ranks end with exit code 3.
+    # Policy stop on 2 ranks: one verdict line, both ranks end with exit code 5.
     stopped = _run(recipe, tmp_path / "fsdp-stop", "train.max_steps=5", fault="model.block_nan@4", nproc=2,
                    TRAINBOOK_FAULT_RANK="1")
-    assert stopped.returncode == 3, stopped.stderr
+    assert stopped.returncode == 5, stopped.stderr
     assert len([line for line in stopped.stderr.splitlines() if line.startswith("trainbook: error: step 4:")]) == 1
-    assert worker_exits(stopped.stderr) == {0: 3, 1: 3}, stopped.stderr
+    assert worker_exits(stopped.stderr) == {0: 5, 1: 5}, stopped.stderr
 
 
 def test_an_unknown_policy_is_bad_input(recipe, tmp_path):

@@ -23,6 +23,7 @@ from trainbook.diagnose.preflight import disk_row, version_rows
 from trainbook.errors import TrainbookError
 from trainbook.model import build_model, num_params
 from trainbook.monitor.external import check_sinks
+from trainbook.parallel.elastic import is_restart
 
 
 def prepare_data(res: Resolved, log=print) -> Prepared:
@@ -106,6 +107,8 @@ def find_resume_point(resume: str, run_dir: Path | None) -> ResumePoint | None:
             raise TrainbookError("is not empty and is not a trainbook run; use a new directory", where=where)
         skipped: list[tuple[str, str]] = []
         found = newest_valid(run_dir / "checkpoints", on_skip=lambda p, why: skipped.append((str(p), why)))
+        if found is None and is_restart():
+            return None  # the agent restarted a group that had not saved yet: from step 0, in place
         if found is None:
             why = f" ({len(skipped)} invalid: {skipped[0][1]})" if skipped else ""
             raise TrainbookError(

@@ -13,6 +13,7 @@ from pathlib import Path
 import torch
 
 from trainbook.atomic import atomic_write_json, atomic_write_text
+from trainbook.commands.launch import Elastic, launch, read_events
 from trainbook.commands.preflight import (
     ResumePoint, check_monitor, config_changes, gate, prepare_data, resume_point,
 )
@@ -22,20 +23,22 @@ from trainbook.config import dump_toml
 from trainbook.data import Prepared
 from trainbook.monitor import rewind_metrics
 from trainbook.parallel import pick_device
+from trainbook.parallel.elastic import (
+    is_restart, linger_if_peer_lost, restart_event, restart_line, write_worker_file,
+)
 from trainbook.parallel.runtime import Runtime, env_world_size, start_runtime
 from trainbook.runs import capture_env, create_run_dir
 from trainbook.train.trainer import Trainer
 
 
 def run_command(recipe: str | None, overrides: list[str] | None, run_dir: Path | None, resume: str,
-                nproc: int, check: bool = True) -> tuple[str | None, int]:
+                nproc: int, check: bool = True, elastic: Elastic = Elastic()) -> tuple[str | None, int]:
     """What `trainbook run` prints and its exit code. `check`: the cheap preflight first
-    (preflight `gate`; the `--nproc` launcher runs it once for its workers)."""
+    (preflight `gate`; the `--nproc` launcher runs it once for its workers). More than one
+    process, or any of `elastic` (restarts, nodes): the workers run under the elastic agent."""
     path, overrides = recipe_and_overrides(recipe, overrides, archived_config(run_dir, resume))
-    if nproc > 1:
-        from trainbook.commands.launch import launch
-
-        return None, launch(path, overrides, nproc, run_dir, resume, check=check)
+    if nproc > 1 or elastic != Elastic():
+        return None, launch(path, overrides, nproc, run_dir, resume, check=check, elastic=elastic)
     world_size = env_world_size()
     res = resolve(path, overrides, world_size, local_ranks=int(os.environ.get("LOCAL_WORLD_SIZE", world_size)))
     if check:
@@ -72,15 +75,27 @@ def start_run(res: Resolved, run_dir: Path | None = None, resume: str = "auto") 
             rt.rank0_first(lambda: prepare_data(res) and None)
         data = prepare_data(res, log=_quiet if rt.distributed else print)
         run_dir, dropped, changed = rt.rank0_first(lambda: _open_run_dir(res, run_dir, start, rt, data))
+        if "TORCHELASTIC_RUN_ID" in os.environ:
+            write_worker_file(run_dir)  # who this worker is, for the agent's failure recorder
 
         trainer = Trainer(cfg, run_dir, data, rt)
         try:
+            restart = restart_event(read_events(run_dir), start.manifest["step"] if start else 0,
+                                    rt.world_size) if rt.is_main else None
             if start is not None:
                 trainer.checkpointer.discard_uncommitted(resumed_step=start.manifest["step"])
                 trainer.load_checkpoint(start.path)
                 trainer.record_resume(start.path, skipped=start.skipped, changed=changed,
                                       dropped_metric_lines=dropped)
-            summary = trainer.fit()
+            if restart is not None:
+                trainer.events.emit("restart", trainer.step, **restart)
+                trainer.logger.warning(restart_line(restart))
+                trainer.monitors.message(restart_line(restart))
+            try:
+                summary = trainer.fit()
+            except Exception as e:
+                linger_if_peer_lost(e)
+                raise
         finally:
             trainer.close()  # joins the checkpoint threads: their collectives are over too
         rt.finish()  # every rank done: a barrier, then the exit (see Runtime.finish)
@@ -97,6 +112,9 @@ def _open_run_dir(res: Resolved, run_dir: Path | None, start: ResumePoint | None
                   data: Prepared) -> tuple[Path, int, dict]:
     """The run directory: the run being continued (metrics rewound), or a new, archived one."""
     cfg = res.cfg
+    if start is None and is_restart() and run_dir is not None and (run_dir / "config.resolved.toml").is_file():
+        # The agent restarted a group that had saved no checkpoint yet: from step 0, in place.
+        return run_dir, rewind_metrics(run_dir / "metrics.jsonl", 0), {}
     if start is not None and start.run_dir is not None and (start.run_dir / "config.resolved.toml").is_file():
         dropped = rewind_metrics(start.run_dir / "metrics.jsonl", start.manifest["step"])
         changed = config_changes(start.manifest["config"], cfg)

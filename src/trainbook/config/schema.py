@@ -423,7 +423,7 @@ class TriageConfig(Section):
 
 
 ALERT_RULES = ("nonfinite", "loss_spike", "grad_spike", "throughput_drop", "stall", "memory_growth",
-               "val_regression", "mix_drift")
+               "val_regression", "mix_drift", "straggler")
 
 
 class AlertsConfig(Section):
@@ -431,7 +431,9 @@ class AlertsConfig(Section):
 
     rules: list[str] = Field(default_factory=lambda: list(ALERT_RULES))
     """Rule ids that are on: nonfinite, loss_spike, grad_spike, throughput_drop, stall,
-    memory_growth, val_regression, mix_drift."""
+    memory_growth, val_regression, mix_drift, straggler (per-rank step time and data wait compared
+    each logging interval; a rank slower than the others by the robust rule for 3 intervals in a
+    row is an alert naming rank, host and where its time goes: data, compute, communication)."""
     webhook_url: str | None = None
     """POST each alert as JSON here, an http(s) URL (a background thread with timeout and retries;
     never blocks training)."""
@@ -454,6 +456,9 @@ class AlertsConfig(Section):
     """Alert when the validation loss rises this fraction above its best so far."""
     mix_drift: float = Field(default=0.1, gt=0, lt=1)
     """Alert when a source's share of consumed tokens is this far (absolute) from its weight's share."""
+    straggler_frac: float = Field(default=0.2, gt=0)
+    """A rank is late when the others wait for it more than this fraction of the median step time
+    (and at least 5 ms) in a logged step; `straggler` fires after 3 logged steps in a row."""
     webhook_timeout_s: float = Field(default=5.0, gt=0)
     """Timeout of one webhook POST."""
     webhook_retries: int = Field(default=3, ge=0)

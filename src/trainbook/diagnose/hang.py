@@ -21,11 +21,11 @@ Then, before anything is killed (the collective timeout is longer, by validation
    (`py-spy dump --nonblocking --pid`, same host only; without py-spy its record is all there
    is, and the verdict says so) and it is killed;
 3. the speaker writes `hang/verdict.txt` and `hang/verdict.json`, the `hang` and `end` events,
-   prints `trainbook: error: <verdict>`, and every live rank exits with code 3 (a diagnosed
+   prints `trainbook: error: <verdict>`, and every live rank exits with code 4 (a diagnosed
    failure): torchrun's agent sees the failure and an elastic restart can follow.
 
 The main thread may be blocked inside a collective, in C++, where no exception can reach it:
-the watchdog ends the process itself, as the CLI would for a `DiagnosedFailure`.
+the watchdog ends the process itself, as the CLI would for a `HangFailure`.
 
 Only with more than one process: one process has no collective to hang in (a stalled loop is
 the stall alert's to report).
@@ -49,7 +49,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from trainbook.atomic import atomic_write_json, atomic_write_text
-from trainbook.errors import DiagnosedFailure
+from trainbook.errors import HangFailure
 from trainbook.monitor import EventLog
 from trainbook.phase import Phase, PhaseTracker
 
@@ -57,7 +57,7 @@ REPORT_WINDOW_S = 10.0
 """How long the live ranks wait for every rank's report before naming the silent ones."""
 SPEAKER_WAIT_S = 30.0
 """How long a live rank that does not speak waits for the speaker before exiting anyway."""
-EXIT_CODE = DiagnosedFailure.exit_code
+EXIT_CODE = HangFailure.exit_code
 
 # What a rank is doing, in the verdict's words.
 DOING = {Phase.DATA.value: "data loading", Phase.IDLE.value: "between steps",
@@ -228,10 +228,10 @@ class HangWatchdog:
         try:
             events.emit("hang", verdict["step"], verdict=verdict["verdict"],
                         stuck_ranks=[s["rank"] for s in verdict["stuck"]], dir="hang")
-            events.emit("end", verdict["step"], status="failed", error=f"DiagnosedFailure: {verdict['verdict']}")
+            events.emit("end", verdict["step"], status="failed", error=f"HangFailure: {verdict['verdict']}")
         finally:
             events.close()
-        print(f"trainbook: error: {DiagnosedFailure(verdict['verdict'])}", file=sys.stderr, flush=True)
+        print(f"trainbook: error: {HangFailure(verdict['verdict'])}", file=sys.stderr, flush=True)
 
     def _outside(self, state: dict) -> str | None:
         """Stacks of a rank that cannot speak, from outside; the file, or None."""

@@ -19,7 +19,7 @@ module watched, written up in `incidents/step-N/`, and met by the recipe's `[tri
    re-run, the action), `batch-dp<R>.json` per data-parallel rank (every row's token ids as
    trained, its source, sample and token offset, whether the ids are the source's, the decoded
    row and the document(s) it was cut from) and `verdict.txt`, the one line the user sees.
-4. The policy: `stop` (exit 3 with the verdict), `skip` (the step's data is spent, no update),
+4. The policy: `stop` (exit 5 with the verdict), `skip` (the step's data is spent, no update),
    `rollback` (the newest checkpoint at least `rollback_steps_back` steps back is loaded and the
    `rollback_skip_batches` batches after it are never read: `rollback` event in events.jsonl,
    which a later resume from that checkpoint applies again).

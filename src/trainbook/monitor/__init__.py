@@ -2,13 +2,13 @@
 
 from trainbook.monitor.build import RunInfo, build_monitors
 from trainbook.monitor.logs import close_run_logger, setup_run_logger
-from trainbook.monitor.report import Alert, EvalReport, LayerReport, RankSpread, StepReport
+from trainbook.monitor.report import Alert, EvalReport, LayerReport, RankSpread, RankTimes, StepReport
 from trainbook.monitor.sinks import (
     EventLog, LogLines, MetricsFile, Monitor, Monitors, Sink, console_monitor, rewind_metrics,
 )
 
 __all__ = [
     "Alert", "EvalReport", "EventLog", "LayerReport", "LogLines", "MetricsFile", "Monitor", "Monitors",
-    "RankSpread", "RunInfo", "Sink", "StepReport", "build_monitors", "close_run_logger", "console_monitor",
+    "RankSpread", "RankTimes", "RunInfo", "Sink", "StepReport", "build_monitors", "close_run_logger", "console_monitor",
     "rewind_metrics", "setup_run_logger",
 ]

@@ -23,6 +23,21 @@ Rules (ids are `alerts.rules` values, all on by default):
   `mix_drift` / 2 and is never judged on too few rows.
 - `stall`: no step finished for `stall_s` seconds. A heartbeat thread watches, so the alert
   comes while the loop is stuck, and says the phase and step the phase tracker shows.
+- `straggler`: per-rank step time and data wait are compared each logging interval; a rank slower
+  than the others by the robust rule for 3 intervals in a row is an alert naming rank, host and
+  where its time goes (data, compute, communication). Ranks run in lockstep, so the slow rank's
+  time is the others' wait: on logged steps every rank times its wait in tiny all-reduces at the
+  step's start, after each micro-batch's data and after backward (train/stragglers.py), and a
+  rank's lateness is the median of the others' waits at the data and backward probes less its own
+  (the start probe absorbs what came before the step, such as rank 0's records). The most late
+  rank is late when that exceeds `straggler_frac` times the median step time (at least 5 ms) and,
+  with 4 ranks or more, lies over 3 robust sigmas (median/MAD over the ranks) above the rest.
+  Where its time goes: of data (the data phase, its own work), compute (forward + backward +
+  optimizer, with the communication FSDP/DDP overlap with backward) and communication (the
+  exposed part, grad_sync), the one in which it spends the most more than the others' median.
+  A slower compute rank under FSDP or DDP makes the others wait inside backward's own
+  collectives, which the probes do not see: only its lateness after the last of them (and at its
+  data) counts.
 
 Warm-up: the rules that compare with history (spikes, throughput, memory) judge a step
 only once the LR warmup is over (the LR stopped rising) and `window` steps have been seen since;
@@ -51,6 +66,11 @@ if TYPE_CHECKING:
 MAD_TO_SIGMA = 1.4826  # MAD of a normal distribution times this is its standard deviation
 RECENT = 3  # steps whose median throughput is compared with the window's
 STARVED = 0.5  # share of a step waiting for a CPU that names contention as the cause of a drop
+STRAGGLER_INTERVALS = 3  # logged steps in a row with the same rank late
+STRAGGLER_MIN_S = 0.005  # lateness below this is timer and scheduler noise on any machine
+STRAGGLER_Z = 3.0  # with 4 ranks or more, the late rank must stand out of the others too
+STRAGGLER_WHERE = {"data": ("data loading", "data"), "compute": ("compute", "forward + backward + optimizer"),
+                   "comm": ("communication", "exposed communication")}
 
 
 def robust_z(value: float, history: deque[float]) -> tuple[float, float]:
@@ -76,6 +96,13 @@ def robust_z(value: float, history: deque[float]) -> tuple[float, float]:
     return (value - expected) / scale, expected
 
 
+def _spread_z(values: list[float], i: int) -> float:
+    """How many robust standard deviations (median/MAD over all of `values`) values[i] lies above the median."""
+    center = statistics.median(values)
+    mad = statistics.median(abs(v - center) for v in values)
+    return (values[i] - center) / max(MAD_TO_SIGMA * mad, 1e-12)
+
+
 class AlertRules(Sink):
     """The rules of `cfg.rules`; each fired alert goes to `publish` (the run's `Monitors.on_alert`)."""
 
@@ -92,6 +119,7 @@ class AlertRules(Sink):
                          for key in ("loss", "grad_norm", "tokens_per_s", "mem", "cpu_wait", "mem_phases")}
         self._mix_rows: deque[dict[str, dict]] = deque()  # the newest data_mix records that judge the mixture
         self._best_val: float | None = None
+        self._late: tuple[int, int] | None = None  # (rank, logged steps in a row it was the late one)
         self._last_progress = time.monotonic()
         self._stop = threading.Event()
         self._heartbeat = None
@@ -110,6 +138,7 @@ class AlertRules(Sink):
         if self._warmed_up(r):
             self._judge_history(r)
         self._judge_mix(r)
+        self._judge_stragglers(r)
         self._remember(r)
 
     def on_eval(self, r: EvalReport) -> None:
@@ -207,6 +236,30 @@ class AlertRules(Sink):
         if abs(share - target) > self.cfg.mix_drift:  # the source furthest off speaks for the mixture
             self._fire("mix_drift", share, r.step, f"source '{source}' is {share:.1%} of the last {total:,} "
                        f"rows trained on, its weight asks {target:.1%}", threshold=self.cfg.mix_drift)
+
+    def _judge_stragglers(self, r: StepReport) -> None:
+        t = r.rank_times
+        if t is None:  # not a logged step, or one process
+            return
+        late = t.lateness()
+        import os, sys  # DEBUG-STRAG
+        if os.environ.get("DEBUG_STRAG"): print("STRAG", r.step, [round(x*1000, 1) for x in late], round(statistics.median(t.step_time_s)*1000, 1), t, file=sys.stderr)  # DEBUG-STRAG
+        rank = max(range(len(late)), key=late.__getitem__)
+        limit = max(self.cfg.straggler_frac * statistics.median(t.step_time_s), STRAGGLER_MIN_S)
+        if late[rank] <= limit or (len(late) >= 4 and _spread_z(late, rank) <= STRAGGLER_Z):
+            self._late = None
+            return
+        runs = self._late[1] + 1 if self._late is not None and self._late[0] == rank else 1
+        self._late = (rank, runs)
+        if runs < STRAGGLER_INTERVALS:
+            return
+        excess = t.excess(rank)
+        key = max(excess, key=lambda k: excess[k][0] - excess[k][1])
+        (mine, median), (where, label) = excess[key], STRAGGLER_WHERE[key]
+        self._fire("straggler", late[rank], r.step,
+                   f"rank {rank} (host {t.hosts[rank]}) is the straggler for {runs} logging intervals: the others "
+                   f"wait {late[rank]:.3f} s a step for it; its time goes to {where} ({label} {mine:.3f} s vs "
+                   f"median {median:.3f} s)", threshold=limit)
 
     def _remember(self, r: StepReport) -> None:
         h = self._history

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import statistics
 from dataclasses import asdict, dataclass, field
 
 
@@ -23,6 +24,41 @@ class RankSpread:
             hi = max(range(len(values)), key=values.__getitem__)
             out[key] = {"min": values[lo], "min_rank": lo, "max": values[hi], "max_rank": hi}
         return out
+
+
+@dataclass(frozen=True)
+class RankTimes:
+    """Where each rank's time went in one logged step (index = rank), and how long it waited for
+    the others at the straggler probes (train/stragglers.py; the `straggler` alert judges it)."""
+
+    hosts: list[str]
+    step_time_s: list[float]
+    data_s: list[float]
+    """The data phase: each rank's own work, no collectives in it."""
+    compute_s: list[float]
+    """forward + backward + optimizer (with the communication FSDP and DDP overlap with backward)."""
+    comm_s: list[float]
+    """grad_sync less the probes: the exposed communication."""
+    wait_data_s: list[float]
+    """Seconds in the probes after the data of each micro-batch: how much later than this rank
+    the last one finished its data."""
+    wait_compute_s: list[float]
+    """Seconds in the probe after backward: how much later the last rank finished its backward."""
+
+    def lateness(self) -> list[float]:
+        """Per rank: how long the others wait for it at the probes (the median of the others'
+        waits less its own, data and backward probes added), seconds."""
+        return [sum(_others_median(waits, rank) - waits[rank] for waits in (self.wait_data_s, self.wait_compute_s))
+                for rank in range(len(self.hosts))]
+
+    def excess(self, rank: int) -> dict[str, tuple[float, float]]:
+        """{"data": (its seconds, the others' median), "compute": ..., "comm": ...}."""
+        return {key: (values[rank], _others_median(values, rank))
+                for key, values in (("data", self.data_s), ("compute", self.compute_s), ("comm", self.comm_s))}
+
+
+def _others_median(values: list[float], rank: int) -> float:
+    return statistics.median(v for r, v in enumerate(values) if r != rank)
 
 
 @dataclass(frozen=True)
@@ -64,12 +100,16 @@ class StepReport:
     ranks: RankSpread | None = None
     """Every rank's step time, data wait and peak memory; gathered at the logging cadence only
     (None on other steps and in one process)."""
+    rank_times: RankTimes | None = None
+    """Where each rank's time went and how long the others waited for it; at the logging cadence,
+    with the `straggler` alert on and more than one process (None otherwise)."""
 
     def metrics_record(self) -> dict:
         """The `metrics.jsonl` line (keys are a contract, see DESIGN.md). A skipped fp16 step's
         gradient norm is inf: written as null, since JSON has no infinity."""
         record = {"kind": "train", **asdict(self)}
         del record["skipped"]  # the running count, skipped_steps, is the recorded fact
+        del record["rank_times"]  # the straggler alert's input; the alert is the recorded fact
         record["ranks"] = self.ranks.summary() if self.ranks is not None else None
         if record["grad_norm"] != record["grad_norm"] or abs(record["grad_norm"]) == float("inf"):
             record["grad_norm"] = None

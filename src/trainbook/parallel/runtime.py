@@ -9,6 +9,7 @@ from __future__ import annotations
 import datetime as dt
 import os
 import sys
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, NoReturn, TypeVar
@@ -18,6 +19,9 @@ import torch.distributed as dist
 
 from trainbook.errors import TrainbookError
 from trainbook.parallel.dims import ParallelDims
+
+AGENT_STORE_ENV = "TRAINBOOK_AGENT_STORE"  # HOST:PORT of the elastic agent's rendezvous store
+GROUP_ENV = "TRAINBOOK_GROUP"  # this process group's name (start_runtime)
 
 # gloo on CPU, NCCL on CUDA, HCCL on Ascend (registered by torch_npu; see parallel/npu.py).
 BACKENDS = {"cpu": "gloo", "cuda": "nccl", "npu": "hccl"}
@@ -74,6 +78,14 @@ class Runtime:
         out = torch.empty(self.world_size * len(values), dtype=torch.float64, device=self.device)
         dist.all_gather_into_tensor(out, mine)
         return out.view(self.world_size, len(values)).tolist()
+
+    def all_gather_objects(self, value: T) -> list[T]:
+        """Every rank's `value` (a small picklable object: a host name), indexed by rank."""
+        if not self.distributed:
+            return [value]
+        out: list[Any] = [None] * self.world_size
+        dist.all_gather_object(out, value)
+        return out
 
     def rank0_first(self, fn: Callable[[], T]) -> T:
         """Run `fn` on rank 0, share its result (or its user error) with every rank.
@@ -154,18 +166,22 @@ def start_runtime(dims: ParallelDims, device: torch.device, timeout_s: float,
         flight.enable(BACKENDS[device.type])
     dist.init_process_group(BACKENDS[device.type], timeout=dt.timedelta(seconds=timeout_s))
     rank = dist.get_rank()
+    # This group's name, the same on every rank and new with each (re)start of the group.
+    group = torch.tensor([os.getpid(), time.time_ns()] if rank == 0 else [0, 0], dtype=torch.int64)
+    dist.broadcast(group, 0)
+    os.environ[GROUP_ENV] = f"{group[0].item()}-{group[1].item()}"
     return Runtime(rank, world_size, dims, device, mesh=dims.build_mesh(device.type))
 
 
 def watch_store(prefix: str, timeout_s: float = 30.0) -> dist.Store:
-    """A connection of its own to the rendezvous store (torchrun's agent serves it at
-    MASTER_ADDR:MASTER_PORT), under `prefix` and this attempt's restart count.
+    """A connection of its own to the elastic agent's store, under `prefix` and this group's name.
 
     For threads that must talk to the other ranks while the main thread is inside a collective
-    (the hang watchdog): the store outlives any worker, and an own socket never waits behind the
-    main thread's requests.
+    (the hang watchdog): an own socket never waits behind the main thread's requests, and the
+    agent's store (the rendezvous endpoint, `TRAINBOOK_AGENT_STORE`, set by `trainbook run`)
+    outlives any worker, a stopped rank 0 included. Under a plain torchrun it is the group's
+    store at MASTER_ADDR:MASTER_PORT (hosted by rank 0's process).
     """
-    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
-                          timeout=dt.timedelta(seconds=timeout_s))
-    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-    return dist.PrefixStore(f"{prefix}/{os.environ.get('TORCHELASTIC_RUN_ID', 'run')}/{attempt}", store)
+    host, port = os.environ.get(AGENT_STORE_ENV, f"{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}").rsplit(":", 1)
+    store = dist.TCPStore(host, int(port), is_master=False, timeout=dt.timedelta(seconds=timeout_s))
+    return dist.PrefixStore(f"{prefix}/{os.environ.get(GROUP_ENV, 'group')}", store)

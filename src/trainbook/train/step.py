@@ -67,6 +67,7 @@ def train_step(
     before_update: Callable[[], None] | None = None,
     observe_grads: Callable[[], None] | None = None,
     judge: Callable[[float, float], object] | None = None,
+    probe: Callable[[str], None] | None = None,
 ) -> StepResult:
     """Forward and backward over `accum_steps` micro-batches, then unscale, clip and step. The
     caller has started the step on `tracker` (`begin_step`), which times its phases.
@@ -79,16 +80,24 @@ def train_step(
     `observe_grads` sees the final gradients before clipping (per-layer statistics).
     `judge(loss, grad_norm)` sees the step's global loss and gradient norm before the update (NaN
     and spike triage); a verdict it returns rejects the step: gradients dropped, no update.
+    `probe(where)` meets every rank at the step's start, after each micro-batch's data and after
+    backward (train/stragglers.py: who the others wait for); logged steps only.
     """
     device = engine.rt.device
     loss_scale = scaler.scale_value
     loss_sum = torch.zeros((), device=device)
+    if probe is not None:
+        probe("start")
     for _ in range(accum_steps):
         tracker.enter(Phase.DATA)
         batch = to_device(next(batches), device)
+        if probe is not None:
+            probe("data")
         loss = engine.forward_backward(batch, accum_steps, scaler)
         if loss is not None:
             loss_sum += loss
+    if probe is not None:
+        probe("compute")
 
     tracker.enter(Phase.GRAD_SYNC, detail="gradient unscale")
     found_inf = scaler.unscale_(list(engine.model.parameters()))  # all ranks agree

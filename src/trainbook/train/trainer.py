@@ -33,7 +33,7 @@ from trainbook.diagnose.phase_memory import PhaseMemory
 from trainbook.diagnose.profile import StepProfiler, device_sync, phase_boundary
 from trainbook.diagnose.timeouts import explain_timeout
 from trainbook.diagnose.triage import StepBatches, Triage, skipped_windows
-from trainbook.errors import DiagnosedFailure, one_line
+from trainbook.errors import DiagnosedFailure, NonFiniteFailure, one_line
 from trainbook.faults import fault_point
 from trainbook.model import build_model, num_params
 from trainbook.model.surgery import freeze, reinit, resize_vocab, trainable_summary
@@ -42,7 +42,7 @@ from trainbook.monitor import (
     setup_run_logger,
 )
 from trainbook.monitor.flops import device_peak, mfu, model_flops_per_token
-from trainbook.monitor.health import HealthFile
+from trainbook.monitor.health import HealthFile, attempt
 from trainbook.monitor.host import cpu_wait_s
 from trainbook.monitor.sinks import due
 from trainbook.parallel.apply import ApplyOptions, parallelize
@@ -58,6 +58,7 @@ from trainbook.train.optim import build_optimizer, load_optimizer_state, optimiz
 from trainbook.train.rng import rng_state, set_rng_state
 from trainbook.train.schedule import LRSchedule
 from trainbook.train.step import StepResult, evaluate, reported, train_step
+from trainbook.train.stragglers import StragglerProbes
 
 
 class Decision(enum.Enum):
@@ -66,7 +67,7 @@ class Decision(enum.Enum):
     CONTINUE = "continue"
     SKIP = "skip"  # the step's update was dropped (fp16 overflow); training goes on
     STOP = "stop"  # save a checkpoint and stop (a signal reached some rank)
-    FAIL = "fail"  # a bad step under triage policy `stop`: its record goes out, then the verdict (exit 3)
+    FAIL = "fail"  # a bad step under triage policy `stop`: its record goes out, then the verdict (exit 5)
 
 
 def seed_everything(seed: int) -> None:
@@ -102,6 +103,9 @@ class Trainer:
         self.batches = self._batches()
         self.val_batches = self._build_val_batches(data)
         self.logger, self.events, self.monitors = self._build_monitors()
+        # Who the others wait for, timed on logged steps (the `straggler` alert); a collective.
+        self.stragglers = StragglerProbes(self.rt, self.tracker) \
+            if self.rt.distributed and "straggler" in cfg.alerts.rules else None
         self.layer_stats = self._build_layer_stats()
         self.profiler = self._build_phase_profile()
         self.oom = OutOfMemory(cfg.diagnose, PlanInputs(cfg.model, cfg.train, cfg.parallel, cfg.precision.dtype),
@@ -227,7 +231,9 @@ class Trainer:
         profiler = StepProfiler(self.run_dir, self.rank, tuple(t.profile_steps), self.device) \
             if t.profile_steps else None
         sync = device_sync(self.device) if t.profile_phases else None
-        health = HealthFile(self.run_dir / "health.json") if self.rt.is_main else None
+        self.health = health = HealthFile(self.run_dir / "health.json") if self.rt.is_main else None
+        if health is not None:
+            health.set_state("starting")
         self.tracker.boundary = phase_boundary(
             (lambda *_: sync()) if sync is not None else None,  # first: the phase's work is done
             profiler.on_phase if profiler is not None else None,
@@ -276,10 +282,14 @@ class Trainer:
             failure = diagnosed or e
             # The end marker `trainbook runs` reads; a SIGKILL leaves none (see monitor/archive.py).
             self.events.emit("end", self.step, status="failed", error=f"{type(failure).__name__}: {one_line(failure)}")
+            if self.health is not None:
+                self.health.set_state("failed")
             if diagnosed is not None:
                 raise diagnosed from e
             raise
         self.events.emit("end", self.step, status="stopped" if decision is Decision.STOP else "finished")
+        if self.health is not None:
+            self.health.set_state("stopped" if decision is Decision.STOP else "finished")
         return {"step": self.step, "tokens": self.tokens, "loss": report.loss if report else None,
                 "val_loss": last_eval, "run_dir": str(self.run_dir),
                 "stopped_by": signal.Signals(self.stop_signal).name if self.stop_signal else None}
@@ -301,10 +311,12 @@ class Trainer:
         self.tracker.begin_step(self.step + 1)
         self.batches.begin()
         judge = (lambda loss, norm: self.triage.judge(loss, norm, lr)) if self.triage.enabled else None
+        probe = self.stragglers if self.stragglers is not None and self._logged(self.step + 1) else None
         try:
             result = train_step(self.engine, self.optimizer, self.batches, self.accum_steps, self.cfg.optim.grad_clip,
                                 self.scaler, self.tracker, before_update=self._before_update,
-                                observe_grads=stats.observe_grads if stats is not None else None, judge=judge)
+                                observe_grads=stats.observe_grads if stats is not None else None, judge=judge,
+                                probe=probe)
             if result.rejected is not None:
                 result = self._triage(result, judge)
                 if result is None:
@@ -328,7 +340,7 @@ class Trainer:
             mfu=mfu(tokens_per_s, self.flops_per_token, self.peak, self.rt.world_size),
             data_wait_share=result.phases["data"] / elapsed,
             cpu_wait_share=None if waited is None else min(1.0, waited / elapsed),
-            **self._gather(elapsed, result.phases["data"], mem),
+            **self._gather(elapsed, result.phases, mem),
         )
         self._layer_stats_due = stats
         return report
@@ -370,7 +382,7 @@ class Trainer:
         )
         self.events.emit("incident", step, **out.event)
         if out.action == "stop":
-            self.failure = DiagnosedFailure(out.line)
+            self.failure = NonFiniteFailure(out.line)
         else:
             self.logger.warning(out.line)
             self._message(f"triage: {out.line}")
@@ -397,22 +409,32 @@ class Trainer:
                          skipped_samples=[start, end], skipped_batches=self.cfg.triage.rollback_skip_batches,
                          removed_checkpoints=removed)
 
-    def _gather(self, step_time: float, data_wait: float, mem: int) -> dict:
+    def _logged(self, step: int) -> bool:
+        return due(step, self.cfg.log.every_steps, self.cfg.train.max_steps)
+
+    def _gather(self, step_time: float, phases: dict[str, float], mem: int) -> dict:
         """At the logging cadence: every rank's step time, data wait and peak memory (`ranks`,
-        when distributed), and the rows of each source all ranks took since the last time
-        (`data_mix`). One collective, on the steps every rank agrees are due."""
-        if not due(self.step, self.cfg.log.every_steps, self.cfg.train.max_steps):
+        when distributed), where its time went and how long it waited at the straggler probes
+        (`rank_times`, with those on), and the rows of each source all ranks took since the last
+        time (`data_mix`). One collective, on the steps every rank agrees are due."""
+        if not self._logged(self.step):
             return {}
         rows = self.delivered.take().tolist()
         if not self.rt.distributed:
             return {"data_mix": self.train_loader.mixture_share(np.array(rows))}
-        table = self.rt.all_gather_floats([step_time, data_wait, float(mem), *rows])
+        probed = self.stragglers.figures(phases) if self.stragglers is not None else []
+        table = self.rt.all_gather_floats([step_time, phases["data"], float(mem), *probed, *rows])
         # Every rank of a data-parallel replica (its tp, cp and pp ranks) took the replica's rows.
         replica = self.rt.world_size // self.rt.dims.dp
-        return {
+        mix_at = 3 + len(probed)  # the rows per source follow the fixed figures
+        out = {
             "ranks": RankSpread([r[0] for r in table], [r[1] for r in table], [int(r[2]) for r in table]),
-            "data_mix": self.train_loader.mixture_share(np.array(table)[:, 3:].sum(axis=0).astype(np.int64) // replica),
+            "data_mix": self.train_loader.mixture_share(
+                np.array(table)[:, mix_at:].sum(axis=0).astype(np.int64) // replica),
         }
+        if probed:
+            out["rank_times"] = self.stragglers.rank_times([r[0] for r in table], [r[3:mix_at] for r in table])
+        return out
 
     def decide(self, report: StepReport) -> Decision:
         """The one place where how a step went changes the course of the run.
@@ -577,7 +599,8 @@ class Trainer:
 
 def _process() -> dict:
     """Which process writes this attempt of the run: `trainbook runs` tells a live run by it."""
-    return {"pid": os.getpid(), "host": socket.gethostname()}
+    return {"pid": os.getpid(), "host": socket.gethostname(), "world_size": int(os.environ.get("WORLD_SIZE", "1")),
+            "attempt": attempt()}
 
 
 class NoEvents:
