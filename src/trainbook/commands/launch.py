@@ -45,6 +45,11 @@ def max_processes(device: torch.device) -> int:
     return getattr(torch, device.type).device_count()
 
 
+LAST_CALL_S = 10
+"""With `--nnodes MIN:MAX`, how long a rendezvous that has MIN nodes waits for more (torchrun's
+default is 30 s): a lost node costs this much of the recovery."""
+
+
 @dataclass(frozen=True)
 class Elastic:
     """How the agent runs the group: restarts, and the nodes of a multi-node run."""
@@ -78,7 +83,9 @@ class Elastic:
 
     def torchrun_args(self, run_dir: Path, endpoint: str) -> list[str]:
         lo, hi = self.node_range()
-        return ["--nnodes", f"{lo}:{hi}", "--rdzv-backend", "c10d", "--rdzv-endpoint", endpoint,
+        # Elastic: once MIN nodes have joined, the rendezvous waits this long for the others.
+        waits = ["--rdzv-conf", f"last_call_timeout={LAST_CALL_S}"] if lo < hi else []
+        return ["--nnodes", f"{lo}:{hi}", "--rdzv-backend", "c10d", "--rdzv-endpoint", endpoint, *waits,
                 "--rdzv-id", self.rdzv_id or run_dir.name, "--max-restarts", str(self.max_restarts),
                 "--monitor-interval", str(MONITOR_INTERVAL_S)]
 

@@ -142,6 +142,16 @@ def linger_if_peer_lost(error: BaseException) -> None:
     time.sleep(LINGER_S)
 
 
+def process_started() -> float | None:
+    """The wall-clock time this process started (Linux /proc), or None where it cannot be read."""
+    try:
+        ticks = int(Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()[19])  # since boot
+        booted = time.time() - time.clock_gettime(time.CLOCK_BOOTTIME)
+    except (OSError, ValueError, IndexError, AttributeError):
+        return None
+    return booted + ticks / os.sysconf("SC_CLK_TCK")
+
+
 def is_restart() -> bool:
     """Whether this worker is the agent's restart of a failed group (not the first attempt)."""
     return attempt() > 0
@@ -165,6 +175,7 @@ def restart_event(events: list[dict], resumed_step: int, world_size: int) -> dic
         "resumed_step": resumed_step, "steps_lost": max(0, done - resumed_step),
         "world_size": world_size, "previous_world_size": previous,
         "down_s": round(time.time() - failed[0]["time"], 3) if failed else None,
+        "process_started": process_started(),  # this worker's start: its start-up is the restart's cost
     }
 
 
