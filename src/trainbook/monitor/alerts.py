@@ -242,8 +242,6 @@ class AlertRules(Sink):
         if t is None:  # not a logged step, or one process
             return
         late = t.lateness()
-        import os, sys  # DEBUG-STRAG
-        if os.environ.get("DEBUG_STRAG"): print("STRAG", r.step, [round(x*1000, 1) for x in late], round(statistics.median(t.step_time_s)*1000, 1), t, file=sys.stderr)  # DEBUG-STRAG
         rank = max(range(len(late)), key=late.__getitem__)
         limit = max(self.cfg.straggler_frac * statistics.median(t.step_time_s), STRAGGLER_MIN_S)
         if late[rank] <= limit or (len(late) >= 4 and _spread_z(late, rank) <= STRAGGLER_Z):

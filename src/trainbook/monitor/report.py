@@ -82,6 +82,9 @@ class StepReport:
     skipped_steps: int | None = None
     """fp16: steps skipped so far because their gradients overflowed; None without loss scaling."""
     time: float = 0.0
+    samples: int = 0
+    """Global samples the run has taken after this step (the data position a resume continues
+    at, whatever the world size): a replayed or skipped sample shows as a jump."""
     data_mix: dict | None = None
     """Per training source: {"target": its weight's share, "actual": its share of the rows all
     ranks' steps took since the previous record, "rows": those rows}; at the logging cadence only."""

@@ -334,7 +334,8 @@ class Trainer:
         report = StepReport(
             step=self.step, tokens=self.tokens, loss=result.loss, lr=lr, grad_norm=result.grad_norm,
             tokens_per_s=tokens_per_s, step_time_s=elapsed, phases=result.phases,
-            mem_peak_bytes=mem, time=time.time(), mem_growth_by_phase=self.phase_memory.take(),
+            mem_peak_bytes=mem, time=time.time(), samples=self.train_loader.consumed,
+            mem_growth_by_phase=self.phase_memory.take(),
             loss_scale=result.loss_scale,
             skipped_steps=self.scaler.skipped if self.scaler.enabled else None, skipped=result.skipped,
             mfu=mfu(tokens_per_s, self.flops_per_token, self.peak, self.rt.world_size),
