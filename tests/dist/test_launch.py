@@ -30,6 +30,11 @@ BAD_LAYOUTS = [  # (arguments, what the one line must say); the debug model: 2 l
     (["parallel.pp=2", "parallel.dp_shard=1", "parallel.pp_microbatches=1", "--nproc", "2"],
      "parallel.pp_microbatches: 1f1b needs at least as many micro-batches as pipeline ranks (2); got 1"),
     (["--nproc", "1000"], "--nproc: 1000 processes, but this machine allows"),
+    (["--nnodes", "1:2"], "--nnodes: more than one node needs --rdzv-endpoint HOST:PORT (the c10d rendezvous)"),
+    (["--nnodes", "2:1"], "--nnodes: '2:1': needs 1 <= MIN <= MAX"),
+    # Elastic down to one node: the layout must hold there too.
+    (["parallel.dp_shard=2", "--nnodes", "1:2", "--rdzv-endpoint", "localhost:1"],
+     "parallel: pp=1 x dp_replicate=1 x dp_shard=2 x tp=1 = 2 ranks, but the world size is 1"),
 ]
 
 

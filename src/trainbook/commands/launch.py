@@ -74,9 +74,6 @@ class Elastic:
         `--standalone`, with a port known to the workers' watchdog)."""
         if self.rdzv_endpoint is not None:
             return self.rdzv_endpoint
-        if self.node_range()[1] > 1:
-            raise TrainbookError("more than one node needs --rdzv-endpoint HOST:PORT (the c10d rendezvous)",
-                                 where="--nnodes")
         with socket.socket() as s:
             s.bind(("localhost", 0))
             return f"localhost:{s.getsockname()[1]}"
@@ -97,6 +94,9 @@ def launch(recipe: Path, overrides: list[str], nproc: int, run_dir: Path | None,
     if "LOCAL_RANK" in os.environ:
         raise TrainbookError("already running under torchrun; drop --nproc", where="--nproc")
     lo, hi = elastic.node_range()
+    if hi > 1 and elastic.rdzv_endpoint is None:
+        raise TrainbookError("more than one node needs --rdzv-endpoint HOST:PORT (the c10d rendezvous)",
+                             where="--nnodes")
     if elastic.rdzv_endpoint is not None and run_dir is None:
         raise TrainbookError("a multi-node run needs --run-dir: one directory every node shares", where="--nnodes")
     device = pick_device(load_config(recipe, overrides).run.device)  # the machine before the layout

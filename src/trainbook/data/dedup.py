@@ -9,10 +9,14 @@ from __future__ import annotations
 
 import hashlib
 
+from typing import TYPE_CHECKING
+
 import numpy as np
-from datasketch import MinHash, MinHashLSH
 
 from trainbook.config.schema import DedupConfig
+
+if TYPE_CHECKING:  # datasketch (and scipy under it) is imported when data is prepared, not by every worker
+    from datasketch import MinHash, MinHashLSH
 
 # Fixed, so signatures (and so the decisions) are the same on every run and machine.
 MINHASH_SEED = 1
@@ -31,6 +35,8 @@ class Deduplicator:
         self._digests: set[bytes] = set()
         self._lsh: MinHashLSH | None = None
         if cfg.near:
+            from datasketch import MinHash, MinHashLSH
+
             self._lsh = MinHashLSH(threshold=cfg.threshold, num_perm=cfg.num_perm)
             # Copied per document: permutations are drawn once, not per MinHash.
             self._empty = MinHash(num_perm=cfg.num_perm, seed=MINHASH_SEED)

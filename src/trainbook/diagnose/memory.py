@@ -123,7 +123,8 @@ class SavedActivations:
     saved-tensor hooks (exact, on every device): the activations a block holds until its
     backward. Counted once per storage; parameters are not activations. Reset when the first of
     `blocks` starts a training forward, so after a failure the counts are those of the micro-batch
-    that failed, up to the failure."""
+    that failed, up to the failure. Never used under `train.compile` (diagnose/oom.py): its hooks
+    are plain eager code, and the class imports no compiler (a worker's start-up stays short)."""
 
     def __init__(self, blocks: dict[str, nn.Module]):
         self.bytes = dict.fromkeys(blocks, 0)
@@ -134,7 +135,6 @@ class SavedActivations:
             self._handles.append(block.register_forward_pre_hook(partial(self._enter, name, i == 0)))
             self._handles.append(block.register_forward_hook(self._exit))
 
-    @torch.compiler.disable
     def _enter(self, name: str, first: bool, module: nn.Module, args) -> None:
         if not torch.is_grad_enabled():
             return
@@ -145,7 +145,6 @@ class SavedActivations:
         hooks.__enter__()
         self._active.append(hooks)
 
-    @torch.compiler.disable
     def _exit(self, module: nn.Module, args, output) -> None:
         if self._active and torch.is_grad_enabled():
             self._active.pop().__exit__(None, None, None)

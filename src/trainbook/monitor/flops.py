@@ -16,11 +16,14 @@ borrowed number would be worse than none.
 
 from __future__ import annotations
 
+import json
 import time
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
+from pathlib import Path
 
 import torch
 
+from trainbook.atomic import atomic_write_json
 from trainbook.config import ModelConfig
 
 TFLOPS = 1e12
@@ -112,6 +115,15 @@ def measure_matmul_peak(device: torch.device, dtype: str, seconds: float = 0.5, 
                 f"measured: best {n}x{n} matmul in {dtype} at the start of the run")
 
 
+def _cached_peak(cache: Path, dtype: str) -> Peak | None:
+    try:
+        peak = Peak(**json.loads(cache.read_text()))
+    except (OSError, ValueError, TypeError):
+        return None
+    threads = f"cpu ({torch.get_num_threads()} threads)"
+    return peak if (peak.device, peak.dtype) == (threads, dtype) else None
+
+
 def device_name(device: torch.device) -> str:
     if device.type == "cuda":
         return torch.cuda.get_device_name(device)
@@ -120,10 +132,18 @@ def device_name(device: torch.device) -> str:
     return "cpu"
 
 
-def device_peak(device: torch.device, dtype: str) -> tuple[Peak | None, str]:
-    """The peak MFU is measured against, and a note: what it is, or why there is none."""
+def device_peak(device: torch.device, dtype: str, cache: Path | None = None) -> tuple[Peak | None, str]:
+    """The peak MFU is measured against, and a note: what it is, or why there is none.
+
+    `cache`: a file where a CPU peak measured by an earlier attempt of the run on this host is
+    kept: an elastic restart reuses it instead of measuring again (half a second of start-up)."""
     if device.type == "cpu":
-        peak = measure_matmul_peak(device, dtype)
+        peak = _cached_peak(cache, dtype) if cache is not None else None
+        if peak is None:
+            peak = measure_matmul_peak(device, dtype)
+            if cache is not None:
+                cache.parent.mkdir(parents=True, exist_ok=True)
+                atomic_write_json(cache, asdict(peak))
         return peak, f"MFU peak: {peak.flops / TFLOPS:.3g} TFLOP/s per rank ({peak.source})"
     name = device_name(device)
     peak = published_peak(name, dtype)

@@ -19,6 +19,8 @@ schedule that interleaves forward and backward.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -26,10 +28,12 @@ from torch.distributed.tensor import DTensor
 
 from trainbook.data.loader import Batch
 from trainbook.parallel.dims import ParallelDims
-from trainbook.parallel.pipeline import Pipeline, StageGroup
 from trainbook.parallel.runtime import Runtime
 from trainbook.phase import Phase, PhaseTracker
 from trainbook.precision import LossScaler, Precision
+
+if TYPE_CHECKING:  # torch.distributed.pipelining is imported by pipeline runs only (start-up time)
+    from trainbook.parallel.pipeline import Pipeline
 
 
 def to_device(batch: Batch, device: torch.device) -> Batch:
@@ -110,6 +114,8 @@ class LocalEngine:
 
 class PipelineEngine:
     def __init__(self, pipeline: Pipeline, precision: Precision, rt: Runtime, tracker: PhaseTracker):
+        from trainbook.parallel.pipeline import StageGroup
+
         self.pipeline = pipeline
         self.model = StageGroup(pipeline.modules)
         self.precision = precision

@@ -123,7 +123,8 @@ class Trainer:
         self.accum_steps = cfg.train.grad_accum_steps(dims.dp)
         self.tokens_per_step = self.accum_steps * cfg.train.micro_batch_size * cfg.train.seq_len * dims.dp
         self.flops_per_token = model_flops_per_token(cfg.model, cfg.train.seq_len)
-        self.peak, self.peak_note = device_peak(self.device, cfg.precision.dtype)
+        self.peak, self.peak_note = device_peak(self.device, cfg.precision.dtype,  # measured once a host
+                                                cache=self.run_dir / "workers" / f"peak-{socket.gethostname()}.json")
         self.triage = Triage(cfg.triage, self.rt, self.run_dir, data, self.train_loader,
                              samples_per_step=self.tokens_per_step // cfg.train.seq_len)
         # Last: from here on every rank publishes what it does; a hang stops the run with a verdict.
