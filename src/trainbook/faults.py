@@ -17,8 +17,9 @@ Two kinds of point:
   thread of it runs, as if stopped in a debugger or wedged in the kernel; hang diagnosis);
   `TRAINBOOK_FAULT_ACTION=raise` raises a RuntimeError there (a run that fails with a Python error);
   `TRAINBOOK_FAULT_ACTION=wait` blocks it until the file named by `TRAINBOOK_FAULT_RELEASE`
-  exists, so a test holds a run stuck exactly as long as it needs (stall alerts, hang
-  diagnosis) and then lets it go on. Crash-safety tests use them to die at moments (between a
+  exists (or a SIGTERM arrives, which then stops the run as usual), so a test holds a run stuck
+  exactly as long as it needs (stall alerts, hang diagnosis, a node rejoining) and then lets it
+  go on. Crash-safety tests use them to die at moments (between a
   checkpoint's manifest and its rename, after a given step) that a signal sent from outside could
   only hit by luck. The stops: `train.after_step`, `data.next_batch` (the loop is fetching the
   first batch of step N, phase data), `checkpoint.*` (checkpoint/store.py). With
@@ -110,8 +111,26 @@ def fault_point(point: str, step: int) -> None:
     if action == "raise":
         raise RuntimeError(f"fault injected at {point} (step {step})")
     if action == "wait":
-        release = os.environ["TRAINBOOK_FAULT_RELEASE"]
-        while not os.path.exists(release):
-            time.sleep(0.05)
+        _wait_for(os.environ["TRAINBOOK_FAULT_RELEASE"])
         return
     os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _wait_for(release: str) -> None:
+    """Block until `release` exists, or until a SIGTERM arrives: the signal then takes its usual
+    course (the loop's stop after the step), as it would for a rank busy computing."""
+    termed = []
+    previous = signal.getsignal(signal.SIGTERM)
+
+    def on_term(signum, frame):
+        termed.append(signum)
+        if callable(previous):
+            previous(signum, frame)
+
+    signal.signal(signal.SIGTERM, on_term)
+    try:
+        while not os.path.exists(release) and not termed:
+            time.sleep(0.05)
+    finally:
+        if signal.getsignal(signal.SIGTERM) is on_term:
+            signal.signal(signal.SIGTERM, previous)

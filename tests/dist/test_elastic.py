@@ -136,21 +136,58 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def _kill_tree(pid: int) -> None:
+    """SIGKILL `pid` and every process under it (torchrun starts its workers in sessions of
+    their own: a process group does not reach them)."""
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            ppid = int(stat.read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):
+            continue
+        children.setdefault(ppid, []).append(int(stat.parent.name))
+    tree, todo = [], [pid]
+    while todo:
+        tree.append(todo.pop())
+        todo += children.get(tree[-1], [])
+    for p in tree:
+        try:
+            os.kill(p, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
 def _listening(port: int) -> bool:
     with socket.socket() as s:
         return s.connect_ex(("localhost", port)) == 0
 
 
-def test_a_lost_node_shrinks_the_run_which_goes_on_at_the_next_unseen_sample(recipe, tmp_path):
-    """Two agents on this machine as two nodes (`--nnodes 1:2`); one is killed with its worker."""
-    run_dir, port, reached = tmp_path / "run", _free_port(), tmp_path / "reached"
+def test_a_lost_node_shrinks_the_run_and_its_return_grows_it_back(recipe, tmp_path):
+    """Two agents on this machine as two nodes (`--nnodes 1:2`): one is killed with its worker
+    after step 5; the other goes on alone and holds after step 8 until a new node joins."""
+    run_dir, port = tmp_path / "run", _free_port()
+    reached_lost, reached_alone = tmp_path / "reached-lost", tmp_path / "reached-alone"
     cmd = [sys.executable, "-m", "trainbook", "run", str(recipe), *STEPS, "--nproc", "1", "--nnodes", "1:2",
            "--rdzv-endpoint", f"localhost:{port}", "--rdzv-id", "shrink", "--max-restarts", "1",
            "--run-dir", str(run_dir)]
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
-    survivor = subprocess.Popen(cmd, cwd=recipe.parent, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                text=True, start_new_session=True)
-    lost = None
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1",
+           "TRAINBOOK_FAULT_ACTION": "wait", "TRAINBOOK_FAULT_RELEASE": str(tmp_path / "never")}
+
+    def agent(fault: str | None, reached: Path | None) -> subprocess.Popen:
+        extra = {"TRAINBOOK_FAULT": fault, "TRAINBOOK_FAULT_REACHED": str(reached)} if fault else {}
+        return subprocess.Popen(cmd, cwd=recipe.parent, env={**env, **extra}, stdout=subprocess.PIPE,
+                                stderr=subprocess.STDOUT, text=True, start_new_session=True)
+
+    def wait_for(path: Path, *procs: subprocess.Popen) -> None:
+        while not path.exists():
+            for proc in procs:
+                assert proc.poll() is None, proc.stdout.read()[-4000:]
+            time.sleep(0.1)
+
+    # The survivor: after the shrink (its restart count is 1 then), it holds still after step 8
+    # until a SIGTERM: the one its agent sends when a new node is waiting at the rendezvous.
+    survivor = agent("train.after_step@8:a1", reached_alone)
+    procs = [survivor]
     try:
         # The survivor hosts the rendezvous store (c10d's host is the first agent up): the lost
         # node must not be the one that holds it.
@@ -158,28 +195,30 @@ def test_a_lost_node_shrinks_the_run_which_goes_on_at_the_next_unseen_sample(rec
             assert survivor.poll() is None, survivor.stdout.read()
             time.sleep(0.1)
         # The lost node's worker holds still after step 5, whichever rank it is, until it is killed.
-        lost = subprocess.Popen(cmd, cwd=recipe.parent, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                                start_new_session=True, env={
-                                    **env, "TRAINBOOK_FAULT": "train.after_step@5:a0", "TRAINBOOK_FAULT_ACTION": "wait",
-                                    "TRAINBOOK_FAULT_RELEASE": str(tmp_path / "never"),
-                                    "TRAINBOOK_FAULT_REACHED": str(reached)})
-        while not reached.exists():
-            assert lost.poll() is None and survivor.poll() is None, survivor.stdout.read()
-            time.sleep(0.1)
-        os.killpg(lost.pid, signal.SIGKILL)  # the node is gone: its agent and its worker
-        out, _ = survivor.communicate(timeout=600)
+        lost = agent("train.after_step@5:a0", reached_lost)
+        procs.append(lost)
+        wait_for(reached_lost, survivor, lost)
+        _kill_tree(lost.pid)  # the node is gone: its launcher, its agent and its worker
+        wait_for(reached_alone, survivor)  # alone since step 4's checkpoint, now after step 8
+        back = agent(None, None)  # the node returns
+        procs.append(back)
+        outs = [p.communicate(timeout=600)[0] for p in (survivor, back)]
     finally:
-        for proc in (survivor, lost):
-            if proc is not None and proc.poll() is None:
-                os.killpg(proc.pid, signal.SIGKILL)
-    assert survivor.returncode == 0, out[-4000:]
+        for proc in procs:
+            if proc.poll() is None:
+                _kill_tree(proc.pid)
+    assert survivor.returncode == 0 and back.returncode == 0, outs[0][-4000:]
 
-    (restart,) = _events(run_dir, "restart")
-    assert restart["world_size"] == 1 and restart["previous_world_size"] == 2 and restart["resumed_step"] == 4
-    assert len(_events(run_dir, "hang")) == 1  # the dead peer, noticed by the watchdog within hang_timeout_s
+    shrink, grow = _events(run_dir, "restart")
+    assert (shrink["world_size"], shrink["previous_world_size"], shrink["resumed_step"]) == (1, 2, 4)
+    # The survivor's own worker found its peer gone at its next collective: a Python error
+    # (exit 1), no hang declared, no timeout waited for.
+    assert [(f["exit_code"], f["step"]) for f in shrink["failed"]] == [(1, 6)] and not _events(run_dir, "hang")
+    assert (grow["world_size"], grow["previous_world_size"], grow["failed"]) == (2, 1, [])
+    assert grow["resumed_step"] == 9  # the SIGTERM's checkpoint, after the step it was in
     ours = _train(run_dir)
-    # Every step once; the data position after step k is k global batches of 8 samples, before
-    # and after the shrink: no sample trained twice, none skipped.
+    # Every step once; the data position after step k is k global batches of 8 samples, on 2
+    # ranks, on 1 and on 2 again: no sample trained twice, none skipped.
     assert [(r["step"], r["samples"]) for r in ours] == [(k, 8 * k) for k in range(1, 13)]
     # One node of the same global batch (accumulation 2 instead of 2 ranks) trains the same steps.
     alone = _run(recipe, tmp_path / "alone")

@@ -191,10 +191,12 @@ def repeated_failure(failed: list[dict], max_restarts: int, diagnosis: Diagnosed
     steps = [e.get("step") for e in failed]
     if len(set(steps)) == 1:
         whos = sorted({_who(e) for e in failed})
-        head = (f"step {steps[0]} failed {len(failed)} times in a row ({', '.join(whos)}"
+        where = f"step {steps[0]}" if steps[0] is not None else "the start-up (before the first step)"
+        head = (f"{where} failed {len(failed)} times in a row ({', '.join(whos)}"
                 f"{' each time' if len(whos) == 1 else ''}): a failure that repeats")
     else:
-        head = f"the run failed {len(failed)} times (" + "; ".join(f"step {e.get('step')}: {_who(e)}" for e in failed) + ")"
+        head = f"the run failed {len(failed)} times (" + "; ".join(
+            f"{'step ' + str(e['step']) if e.get('step') is not None else 'start-up'}: {_who(e)}" for e in failed) + ")"
     last = f"; the last: {diagnosis.message}" if diagnosis is not None else ""
     return (f"{head}; the {max_restarts} restarts of --max-restarts are spent{last}; see the worker_failed "
             f"and restart events in events.jsonl, fix the cause, then `trainbook run --run-dir RUN` continues")

@@ -91,13 +91,13 @@ class FailureRecorder(logging.Handler):
         worker = _worker_by_pid(self.run_dir, pid)
         health = read_health(self.run_dir / "health.json")
         step = int(health.get("step", 0))
-        in_step = health.get("phase") not in (None, "idle") and health.get("state") != "starting"
-        done = step - 1 if in_step else step  # the last step whose record is written
+        done = step - 1 if health.get("phase") not in (None, "idle") else step  # the last step recorded
+        starting = health.get("state") in (None, "starting")  # before this attempt's first step
         restarting = self.failures <= self.max_restarts
-        event = {"kind": "worker_failed", "step": done + 1, "time": time.time(),
+        event = {"kind": "worker_failed", "step": None if starting else done + 1, "time": time.time(),
                  "rank": worker.get("rank"), "local_rank": local_rank, "host": worker.get("host", socket.gethostname()),
                  "pid": pid, "exit_code": exit_code, "signal": signal_name(exit_code),
-                 "attempt": worker.get("attempt"), "last_step_done": done,
+                 "attempt": worker.get("attempt"), "last_step_done": None if starting else done,
                  "then": "restart" if restarting else "give up"}
         with open(self.run_dir / "events.jsonl", "a", encoding="utf-8") as f:  # one O_APPEND write
             f.write(json.dumps(event) + "\n")
@@ -160,14 +160,15 @@ def is_restart() -> bool:
 def restart_event(events: list[dict], resumed_step: int, world_size: int) -> dict | None:
     """The `restart` event of this attempt: the previous attempt's failures (the recorder's
     `worker_failed` events since it started), the steps they cost, the world it continues on.
-    None when this attempt follows no failure and no restart (a plain start or resume)."""
+    None when this attempt follows no failure, no restart and no change of the world size (a
+    plain start or resume; a node that rejoined restarts the group without a failure)."""
     starts = [i for i, e in enumerate(events) if e.get("kind") in ("start", "resume")]
     before = events[starts[-1]:] if starts else events
     failed = [e for e in before if e.get("kind") == "worker_failed"]
-    if not failed and not is_restart():
-        return None
     previous = before[0].get("world_size") if starts else None
-    done = max((e.get("last_step_done", 0) for e in failed), default=resumed_step)
+    if not failed and not is_restart() and previous in (None, world_size):
+        return None  # a plain start or resume; a new world size is a membership change
+    done = max((e["last_step_done"] for e in failed if e.get("last_step_done") is not None), default=resumed_step)
     return {
         "attempt": attempt(),
         "failed": [{k: e.get(k) for k in ("rank", "host", "exit_code", "signal", "step")} for e in failed],
