@@ -73,9 +73,12 @@ def test_rank_sleeping_in_data_loading_is_named_with_its_stacks(recipe, tmp_path
     hang = [e for e in _events(run_dir) if e["kind"] == "hang"]
     assert [(e["step"], e["stuck_ranks"], e["dir"], e["verdict"]) for e in hang] == \
         [(3, [1], "hang", verdict["verdict"])]
-    assert _events(run_dir)[-1]["kind"] == "end" and _events(run_dir)[-1]["status"] == "failed"
+    # The run's end marker, then what the agent saw (commands/elastic.py): rank 0 gave up, exit 4.
+    end, failed = _events(run_dir)[-2:]
+    assert (end["kind"], end["status"]) == ("end", "failed")
+    assert (failed["kind"], failed["exit_code"], failed["then"]) == ("worker_failed", 4, "give up")
     # Every process gone, each with a non-zero code, within the contract's bound of the stall.
-    assert worker_exits(done.stderr) == {0: 3, 1: 3}, done.stderr
+    assert worker_exits(done.stderr) == {0: 4, 1: 4}, done.stderr
     assert seconds < HANG_TIMEOUT_S + 45, seconds
 
 
@@ -94,8 +97,8 @@ def test_stopped_rank_is_named_from_its_last_record_and_killed(recipe, tmp_path)
     # Taken by py-spy from outside the stopped process: its main thread sits at the fault point.
     stacks = (run_dir / "hang" / "rank1.txt").read_text()
     assert "py-spy" in stacks and re.search(r"fault_point .*\n\s+FaultyBatches.__next__ ", stacks), stacks
-    # The stopped rank was killed (SIGKILL: -9), the live one exited 3, all within the bound.
-    assert worker_exits(done.stderr) == {0: 3, 1: -9}, done.stderr
+    # The stopped rank was killed (SIGKILL: -9), the live one exited 4, all within the bound.
+    assert worker_exits(done.stderr) == {0: 4, 1: -9}, done.stderr
     with pytest.raises(ProcessLookupError):
         os.kill(verdict["stuck"][0]["pid"], 0)
     assert seconds < HANG_TIMEOUT_S + 45, seconds

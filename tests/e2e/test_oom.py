@@ -101,7 +101,8 @@ def test_one_rank_out_of_memory_ends_the_whole_run(recipe, tmp_path):
 
     events = _events(run_dir)
     assert [e["rank"] for e in events if e["kind"] == "oom"] == [1]
-    assert events[-1]["kind"] == "end" and events[-1]["error"].startswith("DiagnosedFailure: out of memory")
+    end = [e for e in events if e["kind"] == "end"][-1]
+    assert end["error"].startswith("DiagnosedFailure: out of memory") and events[-1]["kind"] == "worker_failed"
     # Rank 0 (pid in the start event) is gone: no worker outlives the command.
     pid = next(e["pid"] for e in events if e["kind"] == "start")
     assert not os.path.exists(f"/proc/{pid}")

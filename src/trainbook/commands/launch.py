@@ -1,7 +1,7 @@
 """`trainbook run --nproc N`: resolve and pre-flight once, then start N workers through torchrun.
 
 The workers are PyTorch's own elastic agent (`torch.distributed.run`, with the failure recorder
-of parallel/elastic.py) running `python -m trainbook run ...` with the same arguments, so a plain
+of commands/elastic.py) running `python -m trainbook run ...` with the same arguments, so a plain
 `torchrun -m trainbook run` behaves the same. `--max-restarts K`: when a worker dies the agent
 restarts the group and every worker resumes from the newest valid checkpoint; `--nnodes MIN:MAX
 --rdzv-endpoint HOST:PORT`: one such launcher per node, meeting at a c10d rendezvous, and a group
@@ -30,7 +30,7 @@ from trainbook.commands.resolve import resolve
 from trainbook.config import load_config
 from trainbook.errors import DIAGNOSED, DiagnosedFailure, HangFailure, RepeatedFailure, TrainbookError
 from trainbook.parallel.device import pick_device
-from trainbook.parallel.elastic import MONITOR_INTERVAL_S
+from trainbook.commands.elastic import MONITOR_INTERVAL_S
 from trainbook.parallel.runtime import AGENT_STORE_ENV
 from trainbook.runs import new_run_dir_path
 
@@ -90,7 +90,7 @@ class Elastic:
 def launch(recipe: Path, overrides: list[str], nproc: int, run_dir: Path | None, resume: str,
            check: bool = True, elastic: Elastic = Elastic()) -> int:
     """Resolve and pre-flight once for `nproc` ranks a node, then run them under PyTorch's elastic
-    agent (parallel/elastic.py); its exit code (errors.py's table)."""
+    agent (commands/elastic.py); its exit code (errors.py's table)."""
     if "LOCAL_RANK" in os.environ:
         raise TrainbookError("already running under torchrun; drop --nproc", where="--nproc")
     lo, hi = elastic.node_range()
@@ -118,7 +118,7 @@ def launch(recipe: Path, overrides: list[str], nproc: int, run_dir: Path | None,
         overrides = [*overrides, f"train.micro_batch_size={res.cfg.train.micro_batch_size}"]
 
     endpoint = elastic.endpoint()
-    cmd = [sys.executable, "-m", "trainbook.parallel.elastic", str(run_dir), *elastic.torchrun_args(Path(run_dir), endpoint),
+    cmd = [sys.executable, "-m", "trainbook.commands.elastic", str(run_dir), *elastic.torchrun_args(Path(run_dir), endpoint),
            f"--nproc-per-node={nproc}", "-m", "trainbook", "run", str(recipe), *overrides,
            "--run-dir", str(run_dir), "--resume", resume, "--no-check"]  # the gate ran here, once
     if res.cfg.run.threads is None and device.type == "cpu":

@@ -23,7 +23,7 @@ from trainbook.diagnose.preflight import disk_row, version_rows
 from trainbook.errors import TrainbookError
 from trainbook.model import build_model, num_params
 from trainbook.monitor.external import check_sinks
-from trainbook.parallel.elastic import is_restart
+from trainbook.commands.elastic import is_restart
 
 
 def prepare_data(res: Resolved, log=print) -> Prepared:

@@ -23,7 +23,7 @@ from trainbook.config import dump_toml
 from trainbook.data import Prepared
 from trainbook.monitor import rewind_metrics
 from trainbook.parallel import pick_device
-from trainbook.parallel.elastic import (
+from trainbook.commands.elastic import (
     is_restart, linger_if_peer_lost, restart_event, restart_line, write_worker_file,
 )
 from trainbook.parallel.runtime import Runtime, env_world_size, start_runtime

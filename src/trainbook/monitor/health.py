@@ -4,7 +4,7 @@
 
 - `state`: `starting` (the process is up, before its first step), `training`, `checkpointing`,
   `restarting` (written by the elastic agent's recorder when a worker failed and the group is
-  being restarted: parallel/elastic.py), `finished`, `stopped` (by SIGTERM/SIGINT, after a
+  being restarted: commands/elastic.py), `finished`, `stopped` (by SIGTERM/SIGINT, after a
   checkpoint), `failed`;
 - `step`: the step being run (or, in phase `idle`, the last step whose record is written: the
   run is between steps); `phase`: the phase entered and `since` the wall-clock time it was

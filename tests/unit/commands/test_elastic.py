@@ -9,7 +9,7 @@ from trainbook.commands.launch import repeated_failure
 from trainbook.errors import HangFailure
 from trainbook.faults import fault_active
 from trainbook.monitor.health import HealthFile, read_health
-from trainbook.parallel.elastic import restart_event, restart_line, signal_name
+from trainbook.commands.elastic import restart_event, restart_line, signal_name
 from trainbook.phase import Phase
 
 

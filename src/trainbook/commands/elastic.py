@@ -1,6 +1,6 @@
 """The elastic agent: PyTorch's own (`torch.distributed.run`, torchrun), with a failure recorder.
 
-`python -m trainbook.parallel.elastic RUN_DIR [torchrun arguments...]` is torchrun, unchanged,
+`python -m trainbook.commands.elastic RUN_DIR [torchrun arguments...]` is torchrun, unchanged,
 plus one logging handler: when the agent finds a failed worker (torchrun logs the first failure
 of the group with its exit code, local rank and pid, then stops the others and restarts the
 group or gives up), the recorder appends a `worker_failed` event to RUN_DIR/events.jsonl (who:
