@@ -13,6 +13,9 @@ from pathlib import Path
 import torch
 
 from trainbook.atomic import atomic_write_json, atomic_write_text
+from trainbook.commands.elastic import (
+    is_restart, linger_if_peer_lost, restart_event, restart_line, write_worker_file,
+)
 from trainbook.commands.launch import Elastic, launch, read_events
 from trainbook.commands.preflight import (
     ResumePoint, check_monitor, config_changes, gate, prepare_data, resume_point,
@@ -23,9 +26,6 @@ from trainbook.config import dump_toml
 from trainbook.data import Prepared
 from trainbook.monitor import rewind_metrics
 from trainbook.parallel import pick_device
-from trainbook.commands.elastic import (
-    is_restart, linger_if_peer_lost, restart_event, restart_line, write_worker_file,
-)
 from trainbook.parallel.runtime import Runtime, env_world_size, start_runtime
 from trainbook.runs import capture_env, create_run_dir
 from trainbook.train.trainer import Trainer
