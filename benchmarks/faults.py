@@ -21,7 +21,7 @@ process start to their first step (`restart` event `process_started`).
 from __future__ import annotations
 
 import argparse
-import json
+import os
 import random
 import statistics
 import subprocess
@@ -30,24 +30,12 @@ import tempfile
 import time
 from pathlib import Path
 
-
-def _jsonl(path: Path) -> list[dict]:
-    out = []
-    for line in path.read_text().splitlines():
-        try:
-            out.append(json.loads(line))
-        except ValueError:
-            continue
-    return out
+from trainbook.monitor.archive import read_jsonl
 
 
 def run(run_dir: Path, args: list[str], fault: str | None, restarts: int, nproc: int) -> float:
     """Wall seconds of one `trainbook run` of the default recipe."""
-    env = None
-    if fault:
-        import os
-
-        env = {**os.environ, "TRAINBOOK_FAULT": fault}
+    env = {**os.environ, "TRAINBOOK_FAULT": fault} if fault else None
     began = time.perf_counter()
     done = subprocess.run([sys.executable, "-m", "trainbook", "run", *args, "--nproc", str(nproc),
                            "--max-restarts", str(restarts), "--run-dir", str(run_dir)],
@@ -59,8 +47,8 @@ def run(run_dir: Path, args: list[str], fault: str | None, restarts: int, nproc:
 
 
 def measure(run_dir: Path, wall: float) -> dict:
-    train = [r for r in _jsonl(run_dir / "metrics.jsonl") if r["kind"] == "train"]
-    events = _jsonl(run_dir / "events.jsonl")
+    train = [r for r in read_jsonl(run_dir / "metrics.jsonl") if r["kind"] == "train"]
+    events = read_jsonl(run_dir / "events.jsonl")
     failed = [e for e in events if e["kind"] == "worker_failed"]
     restarts = [e for e in events if e["kind"] == "restart"]
     recovery, startup = [], []

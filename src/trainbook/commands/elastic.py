@@ -25,6 +25,7 @@ import sys
 import time
 from pathlib import Path
 
+from trainbook.monitor.archive import last_attempt
 from trainbook.monitor.health import attempt, read_health, write_health
 
 MONITOR_INTERVAL_S = 0.5
@@ -162,10 +163,9 @@ def restart_event(events: list[dict], resumed_step: int, world_size: int) -> dic
     `worker_failed` events since it started), the steps they cost, the world it continues on.
     None when this attempt follows no failure, no restart and no change of the world size (a
     plain start or resume; a node that rejoined restarts the group without a failure)."""
-    starts = [i for i, e in enumerate(events) if e.get("kind") in ("start", "resume")]
-    before = events[starts[-1]:] if starts else events
+    before = last_attempt(events)
     failed = [e for e in before if e.get("kind") == "worker_failed"]
-    previous = before[0].get("world_size") if starts else None
+    previous = before[0].get("world_size") if before and before[0].get("kind") in ("start", "resume") else None
     if not failed and not is_restart() and previous in (None, world_size):
         return None  # a plain start or resume; a new world size is a membership change
     done = max((e["last_step_done"] for e in failed if e.get("last_step_done") is not None), default=resumed_step)

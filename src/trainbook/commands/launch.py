@@ -29,6 +29,7 @@ from trainbook.commands.preflight import check_monitor, gate, prepare_data, resu
 from trainbook.commands.resolve import resolve
 from trainbook.config import load_config
 from trainbook.errors import DIAGNOSED, DiagnosedFailure, HangFailure, RepeatedFailure, TrainbookError
+from trainbook.monitor.archive import last_attempt, read_jsonl
 from trainbook.parallel.device import pick_device
 from trainbook.commands.elastic import MONITOR_INTERVAL_S
 from trainbook.parallel.runtime import AGENT_STORE_ENV
@@ -140,7 +141,7 @@ def launch(recipe: Path, overrides: list[str], nproc: int, run_dir: Path | None,
     # verdict. A run that stopped on a failure it diagnosed says so in events.jsonl: rank 0
     # printed the verdict (its end event), or was stopped by torchrun before it could (the failing
     # rank's own event): exit as one process would.
-    events = read_events(Path(run_dir))
+    events = read_jsonl(Path(run_dir) / "events.jsonl")
     failed = [e for e in events if e.get("kind") == "worker_failed" and e.get("time", 0) >= began]
     said, diagnosis = _diagnosis(events)
     if elastic.max_restarts > 0 and len(failed) > elastic.max_restarts:
@@ -152,26 +153,10 @@ def launch(recipe: Path, overrides: list[str], nproc: int, run_dir: Path | None,
     return code
 
 
-def read_events(run_dir: Path) -> list[dict]:
-    """events.jsonl's records (a line cut short by a killed process is left out)."""
-    try:
-        lines = (run_dir / "events.jsonl").read_text().splitlines()
-    except OSError:
-        return []
-    events = []
-    for line in lines:
-        try:
-            events.append(json.loads(line))
-        except ValueError:
-            continue
-    return events
-
-
 def _diagnosis(events: list[dict]) -> tuple[type[DiagnosedFailure] | None, DiagnosedFailure | None]:
     """(the diagnosed failure rank 0 ended on and printed, the failure of a diagnosed failure
     event) of the run's last attempt."""
-    starts = [i for i, e in enumerate(events) if e.get("kind") in ("start", "resume")]
-    attempt = events[starts[-1]:] if starts else events
+    attempt = last_attempt(events)
     said = None
     for e in attempt:
         name = str(e.get("error") or "").partition(":")[0] if e.get("kind") == "end" else ""

@@ -16,7 +16,7 @@ from trainbook.atomic import atomic_write_json, atomic_write_text
 from trainbook.commands.elastic import (
     is_restart, linger_if_peer_lost, restart_event, restart_line, write_worker_file,
 )
-from trainbook.commands.launch import Elastic, launch, read_events
+from trainbook.commands.launch import Elastic, launch
 from trainbook.commands.preflight import (
     ResumePoint, check_monitor, config_changes, gate, prepare_data, resume_point,
 )
@@ -25,6 +25,7 @@ from trainbook.commands.resolve import Resolved, resolve
 from trainbook.config import dump_toml
 from trainbook.data import Prepared
 from trainbook.monitor import rewind_metrics
+from trainbook.monitor.archive import read_jsonl
 from trainbook.parallel import pick_device
 from trainbook.parallel.runtime import Runtime, env_world_size, start_runtime
 from trainbook.runs import capture_env, create_run_dir
@@ -80,7 +81,7 @@ def start_run(res: Resolved, run_dir: Path | None = None, resume: str = "auto") 
 
         trainer = Trainer(cfg, run_dir, data, rt)
         try:
-            restart = restart_event(read_events(run_dir), start.manifest["step"] if start else 0,
+            restart = restart_event(read_jsonl(run_dir / "events.jsonl"), start.manifest["step"] if start else 0,
                                     rt.world_size) if rt.is_main else None
             if start is not None:
                 trainer.checkpointer.discard_uncommitted(resumed_step=start.manifest["step"])

@@ -159,6 +159,13 @@ def read_jsonl(path: Path) -> list[dict]:
     return out
 
 
+def last_attempt(events: list[dict]) -> list[dict]:
+    """The events from the last `start` or `resume` on: what the run's latest attempt wrote
+    (all of them when there is neither)."""
+    starts = [i for i, e in enumerate(events) if e.get("kind") in ("start", "resume")]
+    return events[starts[-1]:] if starts else events
+
+
 def _read_json(path: Path) -> dict:
     try:
         value = json.loads(path.read_text(encoding="utf-8"))
@@ -184,15 +191,14 @@ def _checkpoints(folder: Path) -> list[str]:
 
 def run_status(run: RunRecord) -> tuple[str, str]:
     """(status, detail): see the module docstring for how each is decided."""
-    starts = [i for i, e in enumerate(run.events) if e.get("kind") in ("start", "resume")]
-    attempt = run.events[starts[-1]:] if starts else run.events
+    attempt = last_attempt(run.events)
     ends = [e for e in attempt if e.get("kind") == "end"]
     if ends:
         end = ends[-1]
         status = end.get("status") if end.get("status") in ("finished", "stopped", "failed") else "unknown"
         detail = end.get("error") or (f"at step {end.get('step')}" if "step" in end else "")
         return status, str(detail)
-    opened = run.events[starts[-1]] if starts else {}
+    opened = attempt[0] if attempt and attempt[0].get("kind") in ("start", "resume") else {}
     pid, host = opened.get("pid"), opened.get("host")
     if isinstance(pid, int) and host:
         if host != socket.gethostname():
