@@ -33,15 +33,17 @@ def run(
     resume: Annotated[str, typer.Option(
         help="auto: continue --run-dir from its newest valid checkpoint | never | PATH of a checkpoint or run."
     )] = "auto",
-    nproc: Annotated[int, typer.Option(
-        help="Processes on this machine, started through torch.distributed.run (torchrun).", min=1)] = 1,
+    nproc: Annotated[Optional[int], typer.Option(
+        help="Processes on this machine, started through torch.distributed.run (torchrun) "
+             "(default: the recipe's launch.nproc_per_node).", min=1, show_default=False)] = None,
     no_check: Annotated[bool, typer.Option(
         "--no-check", help="Skip the preflight of the version lock ([env]) and free disk.")] = False,
     max_restarts: Annotated[int, typer.Option(
         help="Elastic restarts: when a worker dies, restart the group from the newest checkpoint, "
              "up to this many times.", min=0)] = 0,
-    nnodes: Annotated[str, typer.Option(
-        help="Nodes: N, or MIN:MAX to continue on fewer when one is lost (needs --rdzv-endpoint).")] = "1",
+    nnodes: Annotated[Optional[str], typer.Option(
+        help="Nodes: N, or MIN:MAX to continue on fewer when one is lost (needs --rdzv-endpoint) "
+             "(default: the recipe's launch.nnodes).", show_default=False)] = None,
     rdzv_endpoint: Annotated[Optional[str], typer.Option(
         help="HOST:PORT of the c10d rendezvous every node's launcher meets at.")] = None,
     rdzv_id: Annotated[Optional[str], typer.Option(
@@ -83,7 +85,9 @@ def config(recipe: RecipeArg = None, overrides: OverridesArg = None) -> None:
 def plan(
     recipe: RecipeArg = None,
     overrides: OverridesArg = None,
-    world_size: Annotated[int, typer.Option(help="Ranks to lay the model out on.")] = 1,
+    world_size: Annotated[Optional[int], typer.Option(
+        help="Ranks to lay the model out on (default: the recipe's launch.nnodes x launch.nproc_per_node).",
+        show_default=False)] = None,
     device_memory: Annotated[Optional[str], typer.Option(help="Memory per device (e.g. 80GiB): flag layouts that will not fit.")] = None,
     json: Annotated[bool, typer.Option("--json", help="The plan as JSON.")] = False,
 ) -> None:
@@ -188,6 +192,48 @@ def check(
     from trainbook.commands.check import check_command
 
     text, code = check_command(recipe, overrides, nproc, json, min_busbw)
+    typer.echo(text)
+    raise typer.Exit(code)
+
+
+@app.command()
+def baseline(
+    recipe: RecipeArg = None,
+    overrides: OverridesArg = None,
+    seeds: Annotated[int, typer.Option(help="Runs, one per seed: the recipe's run.seed and the next ones.", min=2)] = 5,
+    k: Annotated[float, typer.Option(help="Band half-width in sample standard deviations over the seeds.", min=0)] = 3.0,
+    floor: Annotated[float, typer.Option(
+        help="Narrowest band half-width, as a fraction of the mean (where the seeds nearly agree).", min=0)] = 0.005,
+    steps: Annotated[Optional[int], typer.Option(
+        help="Measure only the first N steps (schedule unchanged); default: the whole recipe.", min=1)] = None,
+    out: Annotated[Optional[Path], typer.Option(
+        help="File to write (default: baselines/<name>.json beside the recipe).")] = None,
+) -> None:
+    """Run the recipe once per seed and write its baseline: loss and val loss per logged step with a
+    band (mean +- k sd), the first seed's exact series, tokens/s, peak memory and the environment."""
+    from trainbook.commands.baseline import baseline_command
+
+    text, code = baseline_command(recipe, overrides, seeds, k, floor, steps, out, log=typer.echo)
+    typer.echo(text)
+    raise typer.Exit(code)
+
+
+@app.command()
+def verify(
+    target: Annotated[Optional[str], typer.Argument(
+        metavar="[RECIPE|RUN]", help=f"A recipe to run (default: {DEFAULT_RECIPE}) or a finished run directory.",
+        show_default=False)] = None,
+    overrides: OverridesArg = None,
+    steps: Annotated[Optional[int], typer.Option(
+        help="Judge the first N steps only (a recipe is run to step N, its schedule unchanged).", min=1)] = None,
+    baseline: Annotated[Optional[Path], typer.Option(
+        "--baseline", help="Baseline file (default: baselines/<name>.json beside the recipe).")] = None,
+) -> None:
+    """Run a recipe (or read a run) and judge it against its baseline: bit for bit where the
+    environment and config are the baseline's, within the band elsewhere. Exit 0 pass, 1 fail, 2 bad input."""
+    from trainbook.commands.verify import verify_command
+
+    text, code = verify_command(target, overrides, steps, baseline)
     typer.echo(text)
     raise typer.Exit(code)
 

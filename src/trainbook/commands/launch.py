@@ -56,7 +56,7 @@ class Elastic:
     """How the agent runs the group: restarts, and the nodes of a multi-node run."""
 
     max_restarts: int = 0
-    nnodes: str = "1"  # N, or MIN:MAX (elastic: the group continues on fewer nodes when one is lost)
+    nnodes: str | None = "1"  # N, or MIN:MAX (None: the recipe's launch.nnodes) (elastic: the group continues on fewer nodes when one is lost)
     rdzv_endpoint: str | None = None  # HOST:PORT of the c10d rendezvous; None: this machine alone
     rdzv_id: str | None = None  # the same on every node; default: the run directory's name
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from pathlib import Path
 
 from trainbook.errors import TrainbookError
@@ -42,3 +44,29 @@ def archived_config(run_dir: Path | None, resume: str) -> Path | None:
         if (folder / "config.resolved.toml").is_file():
             return folder / "config.resolved.toml"
     return None
+
+
+def baseline_path(recipe: Path, name: str) -> Path:
+    """Where a recipe's baseline lives: `baselines/<name>.json` beside the recipe."""
+    return Path(recipe).parent / "baselines" / f"{name}.json"
+
+
+def run_in_subprocess(recipe: Path, overrides: list[str], run_dir: Path, output: Path | None = None) -> int:
+    """`trainbook run RECIPE OVERRIDES --run-dir RUN_DIR` as a child process, exactly as a person
+    types it; its output goes to the terminal, or to the file `output`. Returns its exit code."""
+    cmd = [sys.executable, "-m", "trainbook", "run", str(recipe), *overrides, "--run-dir", str(run_dir)]
+    if output is None:
+        return subprocess.run(cmd, stdin=subprocess.DEVNULL).returncode
+    output.parent.mkdir(parents=True, exist_ok=True)
+    with open(output, "wb") as out:
+        return subprocess.run(cmd, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT).returncode
+
+
+def last_error(output: Path) -> str:
+    """The one-line error a run printed (`trainbook: error: ...`), else its last line."""
+    try:
+        lines = [line for line in output.read_text(encoding="utf-8", errors="replace").splitlines() if line.strip()]
+    except OSError:
+        return ""
+    errors = [line for line in lines if line.startswith("trainbook: error:")]
+    return (errors or lines or [""])[-1].removeprefix("trainbook: error: ")

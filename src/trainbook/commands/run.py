@@ -6,6 +6,7 @@ start leaves nothing behind and never touches an existing run.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import signal
 from pathlib import Path
@@ -22,8 +23,9 @@ from trainbook.commands.preflight import (
 )
 from trainbook.commands.recipe import archived_config, recipe_and_overrides
 from trainbook.commands.resolve import Resolved, resolve
-from trainbook.config import dump_toml
+from trainbook.config import dump_toml, load_config
 from trainbook.data import Prepared
+from trainbook.errors import TrainbookError
 from trainbook.monitor import rewind_metrics
 from trainbook.monitor.archive import read_jsonl
 from trainbook.parallel import pick_device
@@ -33,11 +35,13 @@ from trainbook.train.trainer import Trainer
 
 
 def run_command(recipe: str | None, overrides: list[str] | None, run_dir: Path | None, resume: str,
-                nproc: int, check: bool = True, elastic: Elastic = Elastic()) -> tuple[str | None, int]:
+                nproc: int | None, check: bool = True, elastic: Elastic = Elastic()) -> tuple[str | None, int]:
     """What `trainbook run` prints and its exit code. `check`: the cheap preflight first
     (preflight `gate`; the `--nproc` launcher runs it once for its workers). More than one
-    process, or any of `elastic` (restarts, nodes): the workers run under the elastic agent."""
+    process, or any of `elastic` (restarts, nodes): the workers run under the elastic agent.
+    `nproc` None (and `elastic.nnodes` None): the recipe's `[launch]`."""
     path, overrides = recipe_and_overrides(recipe, overrides, archived_config(run_dir, resume))
+    nproc, elastic = launch_defaults(path, overrides, nproc, elastic)
     if nproc > 1 or elastic != Elastic():
         return None, launch(path, overrides, nproc, run_dir, resume, check=check, elastic=elastic)
     world_size = env_world_size()
@@ -53,6 +57,22 @@ def run_command(recipe: str | None, overrides: list[str] | None, run_dir: Path |
         return (f"stopped by {summary['stopped_by']} at step {summary['step']}{loss}; continue with: "
                 f"trainbook run --run-dir {summary['run_dir']}", 128 + signal.Signals[summary["stopped_by"]].value)
     return f"done: {summary['step']} steps{loss}{val} -> {summary['run_dir']}", 0
+
+
+def launch_defaults(path: Path, overrides: list[str], nproc: int | None, elastic: Elastic) -> tuple[int, Elastic]:
+    """`--nproc` and `--nnodes` where the command line gave them, else the recipe's `[launch]`.
+    A worker (under torchrun already) is one process whatever the recipe says."""
+    if "TORCHELASTIC_RUN_ID" in os.environ or "LOCAL_RANK" in os.environ:
+        return 1, dataclasses.replace(elastic, nnodes=elastic.nnodes or "1")
+    if nproc is not None and elastic.nnodes is not None:
+        return nproc, elastic
+    launch_cfg = load_config(path, overrides).launch
+    if elastic.nnodes is None and launch_cfg.nnodes > 1 and elastic.rdzv_endpoint is None:
+        raise TrainbookError(
+            f"{launch_cfg.nnodes} nodes need a rendezvous: run this on every node with --rdzv-endpoint HOST:PORT "
+            "(or --nnodes 1 to try it on this machine alone)", where=f"{path}: launch.nnodes")
+    nnodes = elastic.nnodes or str(launch_cfg.nnodes)
+    return nproc or launch_cfg.nproc_per_node, dataclasses.replace(elastic, nnodes=nnodes)
 
 
 def start_run(res: Resolved, run_dir: Path | None = None, resume: str = "auto") -> dict:

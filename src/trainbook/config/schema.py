@@ -9,14 +9,11 @@ from __future__ import annotations
 import urllib.parse
 from typing import Annotated, Literal
 
-from packaging.specifiers import InvalidSpecifier, SpecifierSet
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
+from pydantic import Field, ValidationInfo, field_validator, model_validator
 
+from trainbook.config.book import EnvConfig, ExpectedFigure, LaunchConfig  # noqa: F401 (re-exported)
+from trainbook.config.section import Section
 
-class Section(BaseModel):
-    model_config = ConfigDict(
-        extra="forbid", frozen=True, use_attribute_docstrings=True, validate_default=True
-    )
 
 
 class RunConfig(Section):
@@ -44,12 +41,26 @@ class SourceConfig(Section):
     """`text`/`markdown`: split each file into documents on this string; unset: one per file."""
     text_field: str = "text"
     """`jsonl`: the field that holds the text; `parquet`: the column."""
+    start_after: str | None = None
+    """`text`/`markdown`: keep only what follows the first occurrence of this string in each file
+    (e.g. Project Gutenberg's "*** START OF THE PROJECT GUTENBERG EBOOK"); a file without it is an error."""
+    end_before: str | None = None
+    """`text`/`markdown`: keep only what precedes the next occurrence of this string (after
+    `start_after`, when set); a file without it is an error."""
     compression: Literal["auto", "none", "gzip", "zstd"] = "auto"
     """`auto` decides by file suffix (`.gz`, `.zst`); `parquet` files carry their own compression."""
     on_invalid_utf8: Literal["replace", "skip", "fail"] = "fail"
     """Bytes that are not UTF-8: replace them with U+FFFD, skip the document, or stop with an error."""
     weight: float = Field(default=1.0, gt=0)
     """Relative sampling weight of this source in the training mixture."""
+
+    @model_validator(mode="after")
+    def _markers_on_text(self) -> SourceConfig:
+        if (self.start_after is not None or self.end_before is not None) and self.format not in ("text", "markdown"):
+            raise ValueError(f"start_after and end_before apply to text and markdown files, not {self.format}")
+        if "" in (self.start_after, self.end_before):
+            raise ValueError("an empty marker; remove the key to keep the whole file")
+        return self
 
 
 class CleanConfig(Section):
@@ -201,6 +212,9 @@ class ScheduleConfig(Section):
 class TrainConfig(Section):
     max_steps: int = Field(default=1000, ge=1)
     """Optimizer steps to train."""
+    stop_at_step: int | None = Field(default=None, ge=1)
+    """End the run after this step, with everything else (the LR schedule above all) as if it
+    went on to `max_steps`: a prefix of the full run, as `trainbook verify --steps N` runs it."""
     seq_len: int = Field(default=256, ge=2)
     """Tokens per sample."""
     micro_batch_size: Annotated[int, Field(ge=1)] | Literal["auto"] = 8
@@ -241,9 +255,16 @@ class TrainConfig(Section):
 
     @model_validator(mode="after")
     def _profile_within_run(self) -> TrainConfig:
+        if self.stop_at_step is not None and self.stop_at_step > self.max_steps:
+            raise ValueError(f"stop_at_step {self.stop_at_step} is after train.max_steps = {self.max_steps}")
         if self.profile_steps is not None and self.profile_steps[1] > self.max_steps:
             raise ValueError(f"profile_steps {self.profile_steps} ends after train.max_steps = {self.max_steps}")
         return self
+
+    @property
+    def last_step(self) -> int:
+        """The step this run ends after: `stop_at_step`, else `max_steps`."""
+        return self.stop_at_step or self.max_steps
 
     def grad_accum_steps(self, dp: int = 1) -> int:
         """Micro-batches per optimizer step on each of `dp` data-parallel ranks (of a resolved
@@ -489,45 +510,6 @@ class AlertsConfig(Section):
         return rules
 
 
-def _pep440(spec: str) -> str:
-    """A PEP 440 version specifier, e.g. ">=3.11", "==2.13.0", ">=2.4,<3"."""
-    try:
-        SpecifierSet(spec)
-    except InvalidSpecifier:
-        raise ValueError(f"{spec!r} is not a PEP 440 version specifier (e.g. '>=2.4', '==2.13.0', "
-                         "'==2.13.*', '>=2.4,<3')") from None
-    if not spec.strip():
-        raise ValueError("empty version specifier; remove the key to accept any version")
-    return spec
-
-
-VersionSpec = Annotated[str, AfterValidator(_pep440)]
-
-
-class EnvConfig(Section):
-    """The versions a recipe was proven with, as PEP 440 specifiers. `trainbook check` compares
-    each with this machine and prints the install line that fixes a mismatch; `trainbook run`
-    refuses a mismatch before it starts (exit 2). Unset keys accept any version."""
-
-    python: VersionSpec | None = None
-    """Python interpreter, e.g. ">=3.11"."""
-    torch: VersionSpec | None = None
-    """PyTorch (a local label such as `+cpu` is ignored unless the specifier names one)."""
-    cuda: VersionSpec | None = None
-    """The CUDA version torch was built with; checked where CUDA devices are present."""
-    nccl: VersionSpec | None = None
-    """The NCCL version torch uses; checked where CUDA devices are present."""
-    cann: VersionSpec | None = None
-    """Ascend CANN toolkit (`$ASCEND_TOOLKIT_HOME`); checked where it is installed."""
-    driver: VersionSpec | None = None
-    """NVIDIA driver (nvidia-smi); checked where CUDA devices are present."""
-    packages: dict[str, VersionSpec] = {}
-    """Distribution name -> specifier, e.g. { tokenizers = ">=0.19" }."""
-    enforce: bool = True
-    """`trainbook run` checks the version lock and free disk first and refuses a failure; false
-    (or `run --no-check`) skips that check."""
-
-
 class Config(Section):
     """A whole recipe. `extends` is consumed while loading and never appears here."""
 
@@ -545,5 +527,8 @@ class Config(Section):
     monitor: MonitorConfig = MonitorConfig()
     alerts: AlertsConfig = AlertsConfig()
     env: EnvConfig = EnvConfig()
+    launch: LaunchConfig = LaunchConfig()
+    expect: list[ExpectedFigure] = []
+    """Published figures this recipe should reach (`[[expect]]` tables), each with its source."""
     diagnose: DiagnoseConfig = DiagnoseConfig()
     triage: TriageConfig = TriageConfig()

@@ -133,7 +133,10 @@ def _text_documents(
 ) -> Iterator[str]:
     separator = source.separator.encode("utf-8") if source.separator else None
     line = 1  # line number at which the current piece starts, for error messages
-    for piece in _split(_normalized_chunks(path, source, stats), separator):
+    chunks = _normalized_chunks(path, source, stats)
+    if source.start_after is not None or source.end_before is not None:
+        chunks = _between(chunks, source.start_after, source.end_before, path, where)
+    for piece in _split(chunks, separator):
         text = _decode(piece, source.on_invalid_utf8, stats, path, where, line)
         line += piece.count(b"\n") + (separator.count(b"\n") if separator else 0)
         if text is None:
@@ -167,6 +170,40 @@ def _normalized_chunks(path: Path, source: SourceConfig, stats: SourceStats) -> 
             yield chunk.replace(b"\r\n", b"\n")
         if held:
             yield held if not first else held.removeprefix(_BOM)
+
+
+def _between(chunks: Iterator[bytes], start_after: str | None, end_before: str | None,
+             path: Path, where: str) -> Iterator[bytes]:
+    """The bytes after the first `start_after` and before the next `end_before` (unset: from the
+    file's start, to its end), as they stream in; a marker the file lacks is an error."""
+    start = start_after.encode("utf-8") if start_after is not None else None
+    end = end_before.encode("utf-8") if end_before is not None else None
+    buffer = bytearray()
+    for chunk in chunks:
+        buffer += chunk
+        if start is not None:
+            found = buffer.find(start)
+            if found == -1:
+                del buffer[:max(0, len(buffer) - len(start) + 1)]  # keep a marker's straddling head
+                continue
+            del buffer[:found + len(start)]
+            start = None
+        if end is None:
+            yield bytes(buffer)
+            buffer.clear()
+            continue
+        found = buffer.find(end)
+        if found != -1:
+            yield bytes(buffer[:found])
+            return
+        safe = len(buffer) - len(end) + 1  # bytes that cannot be the start of the marker
+        if safe > 0:
+            yield bytes(buffer[:safe])
+            del buffer[:safe]
+    if start is None and end is None:
+        return
+    missing = ("start_after", start_after) if start is not None else ("end_before", end_before)
+    raise TrainbookError(f"'{path}' has no {missing[0]} marker {missing[1]!r}", where=f"{where}.{missing[0]}")
 
 
 def _split(chunks: Iterator[bytes], separator: bytes | None) -> Iterator[bytes]:

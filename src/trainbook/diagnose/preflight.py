@@ -29,7 +29,7 @@ import torch
 from packaging.specifiers import SpecifierSet
 from packaging.version import InvalidVersion, Version
 
-from trainbook.config.schema import EnvConfig
+from trainbook.config.book import EnvConfig
 from trainbook.sizes import human
 
 STATUSES = ("pass", "warn", "fail", "skip")

@@ -31,6 +31,12 @@ REGISTRY: dict[str, dict] = {
         dim=192, n_layers=4, n_heads=6, n_kv_heads=2, ffn_dim=512, vocab_size=2048,
         norm_eps=1e-5, rope_theta=10000.0, max_seq_len=1024, tie_embeddings=True, init_std=0.02,
     ),
+    # ~20M parameters: the mid-size CPU recipe (recipes/bible-shakespeare-20m.toml). Ours too.
+    "small": dict(
+        source="trainbook (original; Llama-3 architecture, ~20M parameters)",
+        dim=384, n_layers=12, n_heads=6, n_kv_heads=2, ffn_dim=1024, vocab_size=8192,
+        norm_eps=1e-5, rope_theta=10000.0, max_seq_len=1024, tie_embeddings=True, init_std=0.02,
+    ),
     # Smallest shape that still has GQA, more than one block and an even head_dim: unit tests.
     "debug": dict(
         source="trainbook (original; unit tests)",

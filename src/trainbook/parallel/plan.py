@@ -32,7 +32,7 @@ from trainbook.parallel.plan_memory import (
 )
 
 ADAM_STEP_BYTES = 4  # AdamW's per-parameter `step`: a float32 scalar tensor
-MAX_SIMULATED = 64  # distinct rank coordinates simulated one by one; beyond, a sample (see _coords)
+MAX_SIMULATED = 16  # distinct rank coordinates simulated one by one; beyond, a sample (see _coords)
 
 
 @dataclass(frozen=True)

@@ -211,7 +211,7 @@ class Trainer:
                                   retention_days=cfg.log.retention_days)
         events = EventLog(self.run_dir / "events.jsonl") if self.rt.is_main else None
         info = RunInfo(self.run_dir, cfg.run.name or "run", self.rank, self.rt.world_size,
-                       cfg.train.max_steps, self.tracker)
+                       cfg.train.last_step, self.tracker)
         monitors = build_monitors(info, cfg.log, cfg.monitor, cfg.alerts, logger, events)
         return logger, events or NoEvents(), monitors
 
@@ -257,15 +257,15 @@ class Trainer:
         try:
             last_eval = self._evaluate() if self.val_batches and self.step == 0 else None
             with self._signals_stop_the_loop():
-                while self.step < t.max_steps:
+                while self.step < t.last_step:
                     report = self.advance()
                     if report is None:  # rolled back (triage): on from the checkpoint
                         continue
-                    if self.val_batches and (self.step % t.eval_every == 0 or self.step == t.max_steps):
+                    if self.val_batches and (self.step % t.eval_every == 0 or self.step == t.last_step):
                         last_eval = self._evaluate()
                     decision = self.decide(report)
                     if decision is Decision.STOP or (decision is not Decision.FAIL
-                                                     and self.checkpointer.due(self.step, t.max_steps)):
+                                                     and self.checkpointer.due(self.step, t.last_step)):
                         self._save_checkpoint()
                     report = self.publish(report)  # its record covers the eval and checkpoint above
                     if decision is Decision.FAIL:
@@ -412,7 +412,7 @@ class Trainer:
                          removed_checkpoints=removed)
 
     def _logged(self, step: int) -> bool:
-        return due(step, self.cfg.log.every_steps, self.cfg.train.max_steps)
+        return due(step, self.cfg.log.every_steps, self.cfg.train.last_step)
 
     def _gather(self, step_time: float, phases: dict[str, float], mem: int) -> dict:
         """At the logging cadence: every rank's step time, data wait and peak memory (`ranks`,
