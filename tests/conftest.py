@@ -31,6 +31,30 @@ BERNARDO:
 """
 
 
+def write_hf_llama(path: Path, max_positions: int = 256) -> None:
+    """A tiny random LlamaForCausalLM with a byte-level BPE tokenizer trained on play text, saved
+    by transformers into `path` (what a Hugging Face model folder holds)."""
+    import torch
+    import transformers
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE(unk_token=None))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=["<s>", "</s>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator([PLAY] * 20, trainer)
+    fast = transformers.PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>")
+    fast.save_pretrained(path)
+    config = transformers.LlamaConfig(
+        vocab_size=tok.get_vocab_size(), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=max_positions, rope_theta=50000.0,
+        tie_word_embeddings=False, bos_token_id=0, eos_token_id=1,
+    )
+    torch.manual_seed(0)
+    transformers.LlamaForCausalLM(config).save_pretrained(path)
+
+
 def write_corpus(root: Path) -> Path:
     """Six small text documents (a different scene each) in a new directory `root`."""
     root.mkdir()

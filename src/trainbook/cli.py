@@ -238,6 +238,25 @@ def verify(
     raise typer.Exit(code)
 
 
+@app.command()
+def sweep(
+    recipe: RecipeArg = None,
+    overrides: Annotated[Optional[list[str]], typer.Argument(
+        help="key.path=a,b,c: an axis of the grid (every combination runs); key.path=value: every point.",
+        show_default=False)] = None,
+    parallel: Annotated[int, typer.Option(help="Points run at a time.", min=1)] = 1,
+    out: Annotated[Optional[Path], typer.Option(
+        help="Sweep directory (default: <runs_root>/<name>/sweep-<time>/).")] = None,
+) -> None:
+    """Run a grid of overrides, archived under one sweep directory, with a summary by final val
+    loss and a comparison; a failed point is recorded and the others go on. Exit 1 if any failed."""
+    from trainbook.commands.sweep import sweep_command
+
+    text, code = sweep_command(recipe, overrides, parallel, out, log=typer.echo)
+    typer.echo(text)
+    raise typer.Exit(code)
+
+
 bench_app = typer.Typer(help="Measure one part of the training path alone.", no_args_is_help=True)
 app.add_typer(bench_app, name="bench")
 

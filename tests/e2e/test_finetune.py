@@ -7,32 +7,11 @@ from pathlib import Path
 import torch
 import transformers
 
-from tests.conftest import PLAY, RECIPES, run_cli, run_cli_error
-
-
-def _hf_directory(path: Path) -> None:
-    """A tiny random LlamaForCausalLM with a byte-level BPE tokenizer trained on play text."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-
-    tok = Tokenizer(models.BPE(unk_token=None))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=["<s>", "</s>"],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    tok.train_from_iterator([PLAY] * 20, trainer)
-    fast = transformers.PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>")
-    fast.save_pretrained(path)
-    config = transformers.LlamaConfig(
-        vocab_size=tok.get_vocab_size(), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256, rope_theta=50000.0,
-        tie_word_embeddings=False, bos_token_id=0, eos_token_id=1,
-    )
-    torch.manual_seed(0)
-    transformers.LlamaForCausalLM(config).save_pretrained(path)
+from tests.conftest import PLAY, RECIPES, run_cli, run_cli_error, write_hf_llama
 
 
 def test_finetune_recipe_trains_frozen_embedding_and_exports(tmp_path):
-    _hf_directory(tmp_path / "models" / "llama-hf")
+    write_hf_llama(tmp_path / "models" / "llama-hf")
     (tmp_path / "data").mkdir()
     lines = [json.dumps({"text": f"SCENE {i}.\n" + PLAY * (1 + i % 3)}) for i in range(40)]
     (tmp_path / "data" / "finetune.jsonl").write_text("\n".join(lines) + "\n")
@@ -71,7 +50,7 @@ def test_finetune_bad_inputs(tmp_path):
     missing = run_cli_error("run", str(recipe), "model.init_from=hf:nowhere", cwd=tmp_path, watch=(RECIPES,))
     assert missing == f"trainbook: error: {recipe}: model.init_from: nowhere is not a directory"
 
-    _hf_directory(tmp_path / "models" / "llama-hf")
+    write_hf_llama(tmp_path / "models" / "llama-hf")
     wrong = run_cli_error("run", str(recipe), "model.name=tiny", cwd=tmp_path, watch=(RECIPES,))
     assert wrong == (f"trainbook: error: {recipe}: model.dim: the recipe's model has dim=192, the Hugging Face "
                      "model hidden_size=64")

@@ -24,4 +24,18 @@ def plan_command(recipe: Path, overrides: list[str], world_size: int | None, dev
         raise TrainbookError(f"must be at least 1, got {world_size}", where="--world-size")
     res = resolve(Path(recipe), overrides, world_size, device_memory=limit)
     plan = make_plan(res.plan_inputs(), res.dims, limit, recipe=str(recipe))
-    return json.dumps(plan, indent=2) if as_json else render(plan)
+    if as_json:
+        return json.dumps(plan | {"expect": [e.model_dump() for e in res.cfg.expect]}, indent=2)
+    return render(plan) + "".join(f"\n{line}" for line in expected_lines(res.cfg.expect))
+
+
+def expected_lines(figures: list) -> list[str]:
+    """The recipe's published figures (`[[expect]]`), each with where it comes from."""
+    if not figures:
+        return []
+    lines = ["", "Published figures this recipe should reach ([[expect]])"]
+    for f in figures:
+        value = f"{f.value:.1%}" if f.metric == "mfu" else f"{f.value:,g}"
+        lines.append(f"  {f.metric} {value} on {f.hardware}" + (f" ({f.setting})" if f.setting else ""))
+        lines.append(f"    source: {f.source}")
+    return lines

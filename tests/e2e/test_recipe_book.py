@@ -1,0 +1,168 @@
+"""The recipe book proves itself: every recipe validates and plans for the world it declares, the
+default recipe verifies against its committed baseline, a perturbed one fails at the first point
+that moved, `baseline` writes what `verify` reads, and `sweep` finishes the grid around a failure."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import RECIPES, run_cli, write_hf_llama
+from trainbook.commands.plan import plan_command
+from trainbook.config import load_config
+
+BASELINE = RECIPES / "baselines" / "tiny-shakespeare.json"
+PREFIX = 40  # steps of the default recipe verified here (its baseline covers all 900)
+
+
+def _recipes() -> list[Path]:
+    return sorted(RECIPES.glob("*.toml"))
+
+
+def test_the_book_has_its_recipes():
+    names = {p.stem for p in _recipes()}
+    assert {"tiny-shakespeare", "finetune-hf-llama", "classics-20m", "llama3.2-1b", "llama3-8b",
+            "llama3-8b-ascend", "llama3-70b", "llama3-70b-pp"} <= names, names
+    for p in _recipes():
+        cfg = load_config(p)
+        text = p.read_text(encoding="utf-8")
+        assert "[launch]" in text or "extends" in text, f"{p.name}: no [launch]"
+        assert cfg.env.torch, f"{p.name}: no [env] torch lock"
+        if cfg.run.device in ("cuda", "npu"):
+            assert "The arithmetic" in text or "extends" in text, f"{p.name}: no arithmetic"
+            assert cfg.expect or "No published figure" in text, f"{p.name}: neither a published figure nor why not"
+            assert all(e.source for e in cfg.expect)
+
+
+@pytest.mark.parametrize("recipe", _recipes(), ids=lambda p: p.stem)
+def test_every_recipe_plans_for_its_world_and_says_what_plan_says(recipe, tmp_path):
+    overrides = []
+    if load_config(recipe).model.init_from:  # a recipe that imports weights: a tiny random folder
+        write_hf_llama(tmp_path / "llama-hf", max_positions=1024)
+        overrides = [f"model.init_from=hf:{tmp_path / 'llama-hf'}"]
+    cfg = load_config(recipe, overrides)
+    text = recipe.read_text(encoding="utf-8")
+    said = re.search(r"plan \S+ --device-memory (\d+)GiB says", text)
+    plan = json.loads(plan_command(recipe, overrides, None, f"{said.group(1)}GiB" if said else None, True))
+    assert plan["world_size"] == cfg.launch.world_size
+    if said:  # the recipe's comment is what plan says now, not what it said once
+        assert plan["memory"]["fits"], f"{recipe.name}: does not fit {said.group(1)} GiB"
+        total = float(re.search(r"total ([\d.]+) GiB of", text).group(1))
+        assert abs(plan["memory"]["largest"]["total"] / 2**30 - total) < 0.05 * total, (recipe.name, plan["memory"]["largest"])
+        picks = re.search(r"auto picks (\d+)", text)
+        if picks:
+            assert plan["batch"]["micro_batch_size"] == int(picks.group(1)), (recipe.name, plan["batch"])
+
+
+@pytest.fixture(scope="module")
+def verified(tmp_path_factory, shakespeare_cache):
+    """`trainbook verify --steps 40` of the default recipe, run once for the tests below."""
+    cwd = tmp_path_factory.mktemp("verify")
+    done = run_cli("verify", "--baseline", str(BASELINE), "--steps", str(PREFIX), f"data.cache_dir={shakespeare_cache}",
+                   cwd=cwd, timeout=900)
+    return cwd, done
+
+
+def test_the_default_recipe_verifies_bit_for_bit_on_this_machine(verified):
+    _, done = verified
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "judged bit for bit" in done.stdout and f"PASS: " in done.stdout, done.stdout[-2000:]
+    assert f"up to step {PREFIX}, all bit-for-bit equal" in done.stdout
+
+
+def test_a_baseline_from_another_environment_is_judged_within_its_band(verified, tmp_path):
+    cwd, done = verified
+    run_dir = Path(re.search(r"^run: (\S+)", done.stdout, flags=re.M).group(1))
+    other = json.loads(BASELINE.read_text())
+    other["environment"]["torch"] = "2.12.0+cu124"
+    other["environment"]["devices"] = ["NVIDIA H100 80GB HBM3"]
+    (tmp_path / "other.json").write_text(json.dumps(other))
+    judged = run_cli("verify", str(cwd / run_dir), "--baseline", str(tmp_path / "other.json"), cwd=cwd)
+    assert judged.returncode == 0, judged.stdout + judged.stderr
+    assert "environment differs from the baseline's: devices" in judged.stdout
+    assert "torch 2.13.0+cpu (baseline 2.12.0+cu124)" in judged.stdout
+    assert "judged within the band of 5 seeds (mean +- 3 sd)" in judged.stdout and "PASS" in judged.stdout
+
+
+def test_a_perturbed_learning_rate_fails_at_the_first_point_out_of_band(shakespeare_cache, tmp_path):
+    done = run_cli("verify", "--baseline", str(BASELINE), "--steps", "20", "optim.lr=2e-2",
+                   f"data.cache_dir={shakespeare_cache}", cwd=tmp_path)
+    assert done.returncode == 1, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "config differs from the baseline's: optim.lr = 0.02 (baseline 0.004)" in done.stdout
+    assert "FAIL:" in done.stdout and "the first at step 20 (loss: out of band" in done.stdout, done.stdout[-2000:]
+    table = done.stdout[done.stdout.index("step  metric"):]
+    assert re.search(r"^\s+20\s+loss\s", table, flags=re.M), table
+
+
+def test_verify_bad_input_is_one_line_and_exit_2(tmp_path):
+    missing = run_cli("verify", "--baseline", str(tmp_path / "nope.json"), cwd=tmp_path)
+    assert missing.returncode == 2 and missing.stderr.count("\n") == 1, missing.stderr
+    assert "nope.json: no such baseline file" in missing.stderr
+    (tmp_path / "bad.json").write_text("{\"format\": 1}")
+    bad = run_cli("verify", "--baseline", str(tmp_path / "bad.json"), cwd=tmp_path)
+    assert bad.returncode == 2 and "missing key 'seeds'" in bad.stderr, bad.stderr
+    assert not (tmp_path / "runs").exists()  # nothing ran
+
+
+def test_baseline_writes_bands_and_the_first_seeds_exact_series(recipe, tmp_path):
+    out = tmp_path / "b.json"
+    done = run_cli("baseline", str(recipe), "--seeds", "3", "--steps", "6", "log.every_steps=2",
+                   "train.eval_every=3", "--out", str(out), cwd=tmp_path)
+    assert done.returncode == 0, done.stdout + done.stderr
+    data = json.loads(out.read_text())
+    assert data["seeds"] == [7, 8, 9] and data["k"] == 3.0 and data["steps"] == 6
+    runs = sorted(p for p in (tmp_path / "runs" / "unit").glob("baseline-*/seed-*") if p.is_dir())
+    assert [r.name for r in runs] == ["seed-7", "seed-8", "seed-9"]
+    first = [json.loads(line) for line in (runs[0] / "metrics.jsonl").read_text().splitlines()]
+    # The first seed's series, exactly as its run logged it.
+    assert data["seed0"]["loss"] == [[m["step"], m["loss"]] for m in first if m["kind"] == "train"]
+    assert data["seed0"]["val_loss"] == [[m["step"], m["val_loss"]] for m in first if m["kind"] == "eval"]
+    for p in data["points"]["loss"]:
+        assert p["lo"] <= p["mean"] <= p["hi"] and len(p["values"]) == 3
+        assert p["hi"] - p["mean"] == pytest.approx(max(3 * p["sd"], 0.005 * abs(p["mean"])))
+    assert [p["step"] for p in data["points"]["val_loss"]] == [0, 3, 6]
+    assert data["environment"]["torch"].startswith("2.13") and "trainbook" not in data["environment"]["packages"]
+    # What baseline wrote, verify reads: the same recipe and seed on this machine, bit for bit.
+    again = run_cli("verify", str(recipe), "--steps", "6", "log.every_steps=2", "train.eval_every=3",
+                    "--baseline", str(out), cwd=tmp_path)
+    assert again.returncode == 0 and "all bit-for-bit equal" in again.stdout, again.stdout + again.stderr
+
+
+def test_a_sweep_finishes_around_its_failed_points(recipe, tmp_path):
+    done = run_cli("sweep", str(recipe), "optim.lr=0,1e-3,3e-3", "train.micro_batch_size=2,3", "train.max_steps=4",
+                   "train.eval_every=2", "--out", str(tmp_path / "sweep"), cwd=tmp_path, timeout=900)
+    assert done.returncode == 1, done.stdout + done.stderr
+    sweep = json.loads((tmp_path / "sweep" / "sweep.json").read_text())
+    status = {p["label"]: p["status"] for p in sweep["points"]}
+    assert status == {
+        "optim.lr=0, train.micro_batch_size=2": "invalid", "optim.lr=0, train.micro_batch_size=3": "invalid",
+        "optim.lr=1e-3, train.micro_batch_size=2": "done", "optim.lr=1e-3, train.micro_batch_size=3": "failed",
+        "optim.lr=3e-3, train.micro_batch_size=2": "done", "optim.lr=3e-3, train.micro_batch_size=3": "failed",
+    }, status
+    failed = [p for p in sweep["points"] if p["status"] == "failed"]
+    assert all(p["exit_code"] == 2 and "micro_batch_size" in p["error"] for p in failed), failed
+    assert "optim.lr: Input should be greater than 0" in sweep["points"][0]["error"]
+    # The summary: the finished points by final val loss, then every failure with its line.
+    done_points = sorted((p for p in sweep["points"] if p["status"] == "done"), key=lambda p: p["val_loss"])
+    table = done.stdout[done.stdout.index("by final val loss"):done.stdout.index("failed:")]
+    rows = [line.split()[0] for line in table.splitlines()[3:] if line.strip()]
+    assert rows == [str(p["index"]) for p in done_points], table
+    assert (tmp_path / "sweep" / "compare.html").is_file()
+    for p in done_points:
+        assert (Path(p["run_dir"]) / "config.resolved.toml").is_file()
+
+
+def test_sweep_bad_grid_is_exit_2(recipe, tmp_path):
+    nothing = run_cli("sweep", str(recipe), "optim.lr=1e-3", cwd=tmp_path)
+    assert nothing.returncode == 2 and "no axis to sweep" in nothing.stderr, nothing.stderr
+    all_bad = run_cli("sweep", str(recipe), "optim.lrr=1e-3,2e-3", cwd=tmp_path)
+    assert all_bad.returncode == 2 and "unknown key 'lrr'" in all_bad.stderr, all_bad.stderr
+    assert not (tmp_path / "runs").exists()
+
+
+def test_the_packaged_default_has_its_baseline():
+    packaged = Path(__import__("trainbook").__file__).parent / "recipes"
+    assert (packaged / "baselines" / "tiny-shakespeare.json").is_file()
