@@ -32,6 +32,7 @@ BAD_LAYOUTS = [  # (arguments, what the one line must say); the debug model: 2 l
     (["--nproc", "1000"], "--nproc: 1000 processes, but this machine allows"),
     (["--nnodes", "1:2"], "--nnodes: more than one node needs --rdzv-endpoint HOST:PORT (the c10d rendezvous)"),
     (["--nnodes", "2:1"], "--nnodes: '2:1': needs 1 <= MIN <= MAX"),
+    (["launch.nnodes=2"], "launch.nnodes: 2 nodes need a rendezvous: run this on every node with --rdzv-endpoint"),
     # Elastic down to one node: the layout must hold there too.
     (["parallel.dp_shard=2", "--nnodes", "1:2", "--rdzv-endpoint", "localhost:1"],
      "parallel: pp=1 x dp_replicate=1 x dp_shard=2 x tp=1 = 2 ranks, but the world size is 1"),
@@ -45,6 +46,19 @@ def test_bad_layouts_fail_in_one_line_before_any_process(recipe, tmp_path, args,
     lines = done.stderr.strip().splitlines()
     assert len(lines) == 1 and message in lines[0], done.stderr
     assert not (tmp_path / "run").exists()
+
+
+def test_the_recipes_launch_section_is_the_default_world(recipe, tmp_path):
+    """`[launch] nproc_per_node = 2` without --nproc: two workers (torchrun), and plan lays out two."""
+    done = run_cli("run", str(recipe), "launch.nproc_per_node=2", "train.max_steps=2", "--run-dir",
+                   str(tmp_path / "run"), cwd=recipe.parent)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert json.loads((tmp_path / "run" / "env.json").read_text())["world_size"] == 2
+    planned = run_cli("plan", str(recipe), "launch.nproc_per_node=2", cwd=recipe.parent)
+    assert planned.returncode == 0 and "on 2 rank(s)" in planned.stdout, planned.stdout + planned.stderr
+    one = run_cli("run", str(recipe), "launch.nproc_per_node=2", "train.max_steps=2", "--nproc", "1", "--run-dir",
+                  str(tmp_path / "one"), cwd=recipe.parent)  # the command line wins
+    assert one.returncode == 0 and json.loads((tmp_path / "one" / "env.json").read_text())["world_size"] == 1
 
 
 def _free_port() -> int:

@@ -299,3 +299,39 @@ def test_invalid_utf8_fails_naming_file_and_line(tmp_path):
     _write(tmp_path / "b.txt", b"a\r\n\r\nb\nc " + BAD, "gzip")
     with pytest.raises(TrainbookError, match=r"b.txt' line 4: not valid UTF-8"):
         _read(tmp_path / "b.txt", separator="\n\n", compression="gzip")
+
+
+def _marked(tmp_path, text: str, **markers) -> list[str]:
+    path = tmp_path / "book.txt"
+    path.write_text(text, encoding="utf-8")
+    return list(iter_documents(SourceConfig(name="b", paths=[str(path)], separator="\n", **markers), "data.sources[0]"))
+
+
+def test_markers_keep_only_the_text_between_them(tmp_path):
+    text = "license header\n*** START ***\nfirst\nsecond\n*** END ***\nfooter\n"
+    assert _marked(tmp_path, text, start_after="*** START ***", end_before="*** END ***") == ["first", "second"]
+    assert _marked(tmp_path, text, start_after="*** START ***") == ["first", "second", "*** END ***", "footer"]
+    assert _marked(tmp_path, text, end_before="*** END ***") == ["license header", "*** START ***", "first", "second"]
+    # The same marker on both sides: a quoted literal (the first two occurrences).
+    assert _marked(tmp_path, 'x = """\nbody\n"""\ny = 1\n', start_after='"""', end_before='"""') == ["body"]
+
+
+def test_markers_that_straddle_read_chunks_are_found(tmp_path, monkeypatch):
+    monkeypatch.setattr(sources, "_CHUNK_BYTES", 7)  # markers cut across many chunk boundaries
+    text = "noise " * 5 + "<<BEGIN>>\n" + "\n".join(f"line {i}" for i in range(20)) + "\n<<FINISH>>" + " tail" * 5
+    docs = _marked(tmp_path, text, start_after="<<BEGIN>>", end_before="<<FINISH>>")
+    assert docs == [f"line {i}" for i in range(20)]
+
+
+def test_a_missing_marker_names_the_file_and_key(tmp_path):
+    with pytest.raises(TrainbookError) as e:
+        _marked(tmp_path, "no markers here\n", start_after="*** START ***")
+    assert e.value.where == "data.sources[0].start_after" and "book.txt' has no start_after marker" in str(e.value)
+    with pytest.raises(TrainbookError) as e:
+        _marked(tmp_path, "*** START ***\nbody\n", start_after="*** START ***", end_before="*** END ***")
+    assert e.value.where == "data.sources[0].end_before"
+
+
+def test_markers_are_for_text_files_only():
+    with pytest.raises(ValueError, match="apply to text and markdown files, not jsonl"):
+        SourceConfig(name="j", paths=["x.jsonl"], format="jsonl", start_after="a")
