@@ -34,6 +34,7 @@ from trainbook.commands.recipe import last_error, recipe_and_overrides
 from trainbook.config import load_config
 from trainbook.errors import TrainbookError
 from trainbook.monitor.archive import is_run_dir, load_run
+from trainbook.monitor.baseline import speed
 from trainbook.monitor.compare import fmt_value, format_table
 
 POLL_S = 0.2
@@ -196,8 +197,7 @@ def _finish(point: Point, code: int, seconds: float | None) -> None:
     if is_run_dir(Path(point.run_dir)):
         run = load_run(Path(point.run_dir), need_metrics=False)
         point.steps, point.loss, point.val_loss = run.steps, run.final_loss, run.final_val_loss
-        rates = [r["tokens_per_s"] for r in run.train[1:] if isinstance(r.get("tokens_per_s"), (int, float))]
-        point.tokens_per_s = sorted(rates)[len(rates) // 2] if rates else None
+        point.tokens_per_s = speed(run)[0]
     if code == 0:
         point.status = "done"
     else:

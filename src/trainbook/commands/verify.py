@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from trainbook.commands.recipe import baseline_path, recipe_and_overrides, run_in_subprocess
+from trainbook.commands.recipe import baseline_path, default_recipe, recipe_and_overrides, run_in_subprocess
 from trainbook.config import dotted_keys, load_config
 from trainbook.errors import TrainbookError
 from trainbook.monitor.archive import RunRecord, is_run_dir, load_run
@@ -38,7 +38,7 @@ def verify_command(target: str | None, overrides: list[str] | None, steps: int |
         if overrides:
             raise TrainbookError("overrides apply to a recipe, not to a finished run", where=" ".join(overrides))
         run = load_run(Path(target))
-        baseline_file = Path(baseline_file) if baseline_file else Path("recipes") / "baselines" / f"{run.name}.json"
+        baseline_file = Path(baseline_file) if baseline_file else _run_baseline(run.name)
         baseline = read_baseline(baseline_file, hint=True)
         head = [f"verify {run.path} against {baseline_file}"]
     else:
@@ -55,6 +55,13 @@ def verify_command(target: str | None, overrides: list[str] | None, steps: int |
         run = load_run(run_dir)
         head = [f"verify {path}{' ' + ' '.join(overrides) if overrides else ''} against {baseline_file}"]
     return judged_text(head, run, baseline, steps)
+
+
+def _run_baseline(name: str) -> Path:
+    """A run's baseline by its name: ./recipes/baselines/, else the packaged recipes' own."""
+    local = Path("recipes") / "baselines" / f"{name}.json"
+    packaged = baseline_path(default_recipe(), name)
+    return local if local.is_file() or not packaged.is_file() else packaged
 
 
 def read_baseline(path: Path, hint: bool = False) -> dict:
