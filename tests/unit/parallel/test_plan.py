@@ -210,7 +210,7 @@ def test_text_and_json_say_the_same(llama8b, key):
     world_size = LAYOUTS_8B[key][0]
     plan = llama8b[key]
     assert set(plan) == {"recipe", "world_size", "model", "precision", "mesh", "pipeline", "params", "batch",
-                         "gradient_path", "memory"}
+                         "gradient_path", "memory", "expect"}
     text = render(plan)  # what plan_command prints without --json
     headings = [line for line in text.splitlines() if line and not line.startswith(" ")]
     assert [h.split()[0].rstrip(":") for h in headings[:-1]] == [
