@@ -13,6 +13,13 @@ import typer
 from trainbook.commands.recipe import DEFAULT_RECIPE
 from trainbook.errors import TrainbookError
 
+try:  # typer 0.29 parses with a copy of click of its own: its errors are not click's classes
+    from typer._click.exceptions import ClickException as _ClickException
+except ImportError:  # older typer: click itself
+    _ClickException = click.ClickException
+CLICK_ERRORS = (click.ClickException, _ClickException)
+CLICK_ABORTS = (click.exceptions.Abort, typer.Abort)
+
 app = typer.Typer(
     add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
     help="Reproducible large-model training recipes.",
@@ -294,10 +301,12 @@ def main() -> None:
         if speaks:
             print(f"trainbook: error: {e}", file=sys.stderr)
         code = e.exit_code
-    except click.ClickException as e:
-        e.show()
+    except CLICK_ERRORS as e:
+        if speaks:  # one line, as for every other bad input: what is wrong, and where to look
+            command = e.ctx.command_path if getattr(e, "ctx", None) is not None else "trainbook"
+            print(f"trainbook: error: command line: {e.format_message()} (see `{command} --help`)", file=sys.stderr)
         code = e.exit_code
-    except (click.exceptions.Abort, KeyboardInterrupt):
+    except (*CLICK_ABORTS, KeyboardInterrupt):
         if speaks:
             print("trainbook: interrupted", file=sys.stderr)
         code = 130

@@ -215,3 +215,15 @@ def test_embedded_default_recipe_runs(tmp_path, shakespeare_cache):
     resolved = load_config(run_dir / "config.resolved.toml")
     assert resolved.tokenizer.vocab_size == 1024 and resolved.model.dim == 192
     assert len([r for r in _jsonl(run_dir / "metrics.jsonl") if r["kind"] == "train"]) == 1
+
+
+@pytest.mark.parametrize("args,message", [
+    (["run", "--bogus"], "command line: No such option: --bogus (see `"),
+    (["baseline", "--seed", "2"], "No such option: --seed (Possible options: --seeds, --steps)"),
+    (["verify", "--steps", "0"], "Invalid value for '--steps': Input should be greater than or equal to 1"),
+    (["nosuch"], "No such command 'nosuch'."),
+])
+def test_a_bad_command_line_is_one_line_and_exit_2(tmp_path, args, message):
+    done = run_cli(*args, cwd=tmp_path)
+    assert done.returncode == 2 and done.stderr.count("\n") == 1, done.stderr
+    assert done.stderr.startswith("trainbook: error: ") and message in done.stderr, done.stderr

@@ -157,8 +157,10 @@ class PointCheck:
         if self.value is None:
             return "not logged by this run"
         if self.exact and self.value != self.expected:
-            where = "but within the band" if self.in_band else "and out of band"
-            return f"not bit-for-bit equal ({self.value - self.expected:+.3g}), {where}"
+            off = f"not bit-for-bit equal ({self.value - self.expected:+.3g})"
+            if self.lo is None:  # judged exactly only (the gradient norm): no band to place it in
+                return off
+            return f"{off}, {'but within the band' if self.in_band else 'and out of band'}"
         if self.sd:
             return f"out of band ({(self.value - (self.lo + self.hi) / 2) / self.sd:+.1f} sd from the mean)"
         return "out of band"
