@@ -11,7 +11,6 @@ import datetime as dt
 import shlex
 import sys
 import time
-import tomllib
 from pathlib import Path
 from typing import Callable
 
@@ -49,9 +48,8 @@ def baseline_command(recipe: str | None, overrides: list[str] | None, seeds: int
         runs.append(run)
         log(f"  done in {time.monotonic() - started:,.0f} s: {run.steps} steps, loss {run.final_loss:.4f}"
             + (f", val_loss {run.final_val_loss:.4f}" if run.final_val_loss is not None else ""))
-    config = tomllib.loads((runs[0].path / "config.resolved.toml").read_text(encoding="utf-8"))
     command = shlex.join(["trainbook", "baseline", *sys.argv[2:]]) if sys.argv[1:2] == ["baseline"] else ""
-    data = make_baseline(runs, seed_list, k, floor, str(path), command, config)
+    data = make_baseline(runs, seed_list, k, floor, str(path), command, runs[0].config)
     out.parent.mkdir(parents=True, exist_ok=True)
     atomic_write_json(out, data)
     return summary(data, out), 0

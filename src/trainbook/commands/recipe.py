@@ -51,10 +51,15 @@ def baseline_path(recipe: Path, name: str) -> Path:
     return Path(recipe).parent / "baselines" / f"{name}.json"
 
 
+def run_argv(recipe: Path | str, overrides: list[str], run_dir: Path | str) -> list[str]:
+    """The argv of `trainbook run RECIPE OVERRIDES --run-dir RUN_DIR` with this interpreter."""
+    return [sys.executable, "-m", "trainbook", "run", str(recipe), *overrides, "--run-dir", str(run_dir)]
+
+
 def run_in_subprocess(recipe: Path, overrides: list[str], run_dir: Path, output: Path | None = None) -> int:
     """`trainbook run RECIPE OVERRIDES --run-dir RUN_DIR` as a child process, exactly as a person
     types it; its output goes to the terminal, or to the file `output`. Returns its exit code."""
-    cmd = [sys.executable, "-m", "trainbook", "run", str(recipe), *overrides, "--run-dir", str(run_dir)]
+    cmd = run_argv(recipe, overrides, run_dir)
     if output is None:
         return subprocess.run(cmd, stdin=subprocess.DEVNULL).returncode
     output.parent.mkdir(parents=True, exist_ok=True)

@@ -22,7 +22,6 @@ import itertools
 import os
 import re
 import subprocess
-import sys
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -30,7 +29,7 @@ from typing import Callable
 
 from trainbook.atomic import atomic_write_json
 from trainbook.commands.compare import compare_command
-from trainbook.commands.recipe import last_error, recipe_and_overrides
+from trainbook.commands.recipe import last_error, recipe_and_overrides, run_argv
 from trainbook.config import load_config
 from trainbook.errors import TrainbookError
 from trainbook.monitor.archive import is_run_dir, load_run
@@ -186,8 +185,7 @@ def _run_points(sweep: Sweep, folder: Path, parallel: int, log: Callable[[str], 
 
 def _start(sweep: Sweep, point: Point) -> subprocess.Popen:
     Path(point.output).parent.mkdir(parents=True, exist_ok=True)
-    cmd = [sys.executable, "-m", "trainbook", "run", sweep.recipe, *sweep.fixed, *point.overrides,
-           "--run-dir", point.run_dir]
+    cmd = run_argv(sweep.recipe, [*sweep.fixed, *point.overrides], point.run_dir)
     with open(point.output, "wb") as out:
         return subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT)
 
