@@ -18,6 +18,11 @@ parameter-group norms of sharded (FSDP, TP) parameters, activation statistics su
 data-parallel ranks, pipeline stages merged. Step 1 runs on identical weights in every layout, so
 its statistics are held to 1e-5; later steps to the weights' bound.
 
+Two layouts compute the loss chunked (`train.loss = chunked`, model/loss.py: the head inside the
+loss, 2048 rows of logits at a time) against the single-process full loss: FSDP (the head's
+weight gathered inside the root's forward) and a 1F1B pipeline (its last stage returns hidden
+states and the pipeline's loss function applies the head).
+
 One data-parallel layout (fsdp2) trains with `optim.grad_clip = 0` against a single-process run
 without clipping too, so the update itself follows the raw gradient there.
 
@@ -48,10 +53,11 @@ NO_CLIP = "optim.grad_clip=0"
 
 LAYOUTS = {
     "ddp2": (2, ["parallel.data_parallel=ddp", "parallel.dp_replicate=2", "parallel.dp_shard=1"]),
-    "fsdp2": (2, ["parallel.dp_shard=2", NO_CLIP]),
+    "fsdp2-chunked-loss": (2, ["parallel.dp_shard=2", NO_CLIP, "train.loss=chunked"]),
     "tp2": (2, ["parallel.tp=2", "parallel.dp_shard=1"]),
     "pp2-gpipe": (2, ["parallel.pp=2", "parallel.dp_shard=1", "parallel.pp_schedule=gpipe"]),
-    "pp2-1f1b": (2, ["parallel.pp=2", "parallel.dp_shard=1", "parallel.pp_schedule=1f1b"]),
+    "pp2-1f1b-chunked-loss": (2, ["parallel.pp=2", "parallel.dp_shard=1", "parallel.pp_schedule=1f1b",
+                                  "train.loss=chunked"]),
     "hsdp2x2": (4, ["parallel.dp_replicate=2", "parallel.dp_shard=2"]),
     "fsdp2-tp2": (4, ["parallel.dp_shard=2", "parallel.tp=2"]),
     "fsdp2-pp2": (4, ["parallel.dp_shard=2", "parallel.pp=2"]),
@@ -191,7 +197,7 @@ def test_layout_matches_one_process(baselines, tmp_path, layout):
 RESUMED_LAYOUTS = {  # resharding: (processes, overrides)
     "fsdp2-tp2": LAYOUTS["fsdp2-tp2"],
     # The tied head's copy on the last stage takes the embedding's optimizer state.
-    "pp2-1f1b": LAYOUTS["pp2-1f1b"],
+    "pp2-1f1b": (2, ["parallel.pp=2", "parallel.dp_shard=1", "parallel.pp_schedule=1f1b"]),
 }
 
 

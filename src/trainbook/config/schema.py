@@ -237,8 +237,12 @@ class TrainConfig(Section):
     activation_checkpoint: Literal["none", "full", "selective"] = "none"
     """Recompute activations in backward: `full` all of every block, `selective` all but the
     matmul and attention outputs (cheap elementwise and norm ops are recomputed)."""
-    compile: bool = False
-    """Compile each block with `torch.compile` (after tensor parallel, before FSDP)."""
+    compile: bool | Literal["auto"] = "auto"
+    """Compile each block with `torch.compile` (after tensor parallel, before FSDP). `auto`: where
+    it runs and the run is long enough to repay compiling (parallel/compile.py says the rule)."""
+    loss: Literal["auto", "chunked", "full"] = "auto"
+    """Cross entropy from `full` logits, or `chunked` (the head and the loss together, 2048 rows of
+    logits at a time, model/loss.py). `auto`: chunked when compiled, full when eager."""
     profile_phases: bool = False
     """Synchronise the device at every phase boundary, so the step's `phases` in metrics.jsonl are
     what each phase cost on the device (not only on the host). Costs the overlap of host and device."""

@@ -194,7 +194,7 @@ class OutOfMemory:
         self.logger = logger
         self.started = time.time()  # files older than this belong to an earlier attempt
         self.blocks = blocks_of(model)
-        self.saved = SavedActivations(self.blocks) if cfg.memory_history and not inputs.train.compile else None
+        self.saved = SavedActivations(self.blocks) if cfg.memory_history and inputs.train.compile is not True else None
         self.history = cfg.memory_history and rt.device.type == "cuda"
         if self.history:  # the allocator's every event, for the snapshot (pytorch.org/memory_viz)
             torch.cuda.memory._record_memory_history(max_entries=100_000)

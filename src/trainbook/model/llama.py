@@ -24,6 +24,7 @@ from torch import nn
 
 from trainbook.config.schema import ModelConfig
 from trainbook.errors import TrainbookError
+from trainbook.model.loss import ChunkedLoss, full_cross_entropy, linear_cross_entropy
 from trainbook.model.registry import is_resolved, resolve
 
 
@@ -37,6 +38,11 @@ class Llama(nn.Module):
         self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.output = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
         self.tie_weights()
+        self.chunked_loss: ChunkedLoss | None = None
+        """Set by parallel/apply.py when the run's loss is chunked (`train.loss`); None: full logits."""
+        self.hidden_out = False
+        """A pipeline's last stage under a chunked loss returns normed hidden states: its loss
+        function applies the head (`loss`)."""
         # (max_seq_len, head_dim / 2) each. Non-persistent: derived from the config, so they stay
         # out of checkpoints; fp32 because bf16 angles lose whole rotations at long positions.
         half = cfg.dim // cfg.n_heads // 2
@@ -79,8 +85,10 @@ class Llama(nn.Module):
         self.rope_cos.copy_(cos)
         self.rope_sin.copy_(sin)
 
-    def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
-        """tokens (B, T) int64 -> logits (B, T, vocab_size), in the compute dtype (no loss here).
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None,
+                targets: torch.Tensor | None = None) -> torch.Tensor:
+        """tokens (B, T) int64 -> logits (B, T, vocab_size), in the compute dtype; with `targets`
+        (B, T) int64, the mean next-token loss instead (fp32 scalar, `loss`).
 
         `positions` (B, T) int64, for windows packed with several documents: each token's position
         in its document, 0 where a document (or the window) starts. RoPE then uses these positions
@@ -109,7 +117,17 @@ class Llama(nn.Module):
         for block in self.layers.values():
             h = block(h, cos, sin, mask)
         h = self.norm(h) if self.norm is not None else h
-        return self.output(h) if self.output is not None else h  # (B, T, vocab_size)
+        if self.output is None or self.hidden_out:
+            return h  # (B, T, dim)
+        return self.output(h) if targets is None else self.loss(h, targets)  # (B, T, vocab_size) or ()
+
+    def loss(self, h: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """Mean cross entropy of the head's logits for normed hidden states h (B, T, dim) against
+        targets (B, T): chunked when `chunked_loss` is set (model/loss.py), else from full logits."""
+        c = self.chunked_loss
+        if c is not None:
+            return linear_cross_entropy(h, self.output.weight, targets, c.chunk_tokens, c.compiled)
+        return full_cross_entropy(self.output(h), targets)
 
 
 def document_mask(positions: torch.Tensor) -> torch.Tensor:

@@ -6,7 +6,8 @@ The order matters and is fixed:
 2. activation checkpointing: it wraps each block's forward, so it recomputes the tensor-parallel
    forward including its collectives;
 3. torch.compile per block: it traces the block as checkpointed and tensor-parallel, and stops at
-   block boundaries, where FSDP's hooks run;
+   block boundaries, where FSDP's hooks run; the model's loss is then chunked if asked
+   (`train.loss`, model/loss.py), its chunk kernel compiled with the blocks;
 4. data parallel last: FSDP2 `fully_shard` per block and then the root (or DDP `replicate`), so it
    shards whatever parameters TP left, over the data-parallel dimensions only.
 Module paths never change (no wrapper modules), so checkpoints and optimizer state keep the names
@@ -28,6 +29,7 @@ from torch.distributed.tensor.parallel import (
 )
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
+from trainbook.model.loss import ChunkedLoss
 from trainbook.parallel.dims import ParallelDims
 
 # Ops whose outputs selective checkpointing keeps: matmuls and attention are expensive to
@@ -53,6 +55,8 @@ class ApplyOptions:
     """`fsdp` or `ddp` (parallel.data_parallel)."""
     mp_policy: Any = None
     """FSDP2's MixedPrecisionPolicy (Precision.fsdp_policy()); None: no casts."""
+    loss: str = "full"
+    """`chunked` or `full` (train.loss as parallel/compile.py settled it)."""
 
 
 def parallelize(model: nn.Module, dims: ParallelDims, mesh, opts: ApplyOptions) -> nn.Module:
@@ -65,6 +69,8 @@ def parallelize(model: nn.Module, dims: ParallelDims, mesh, opts: ApplyOptions) 
     if opts.compile:
         for block in model.layers.values():
             block.compile()
+    if opts.loss == "chunked" and getattr(model, "output", None) is not None:
+        model.chunked_loss = ChunkedLoss(compiled=opts.compile)
     if dims.dp > 1:
         if opts.data_parallel == "ddp":
             from torch.distributed._composable import replicate

@@ -409,6 +409,11 @@ def build_pipeline(
     n_stages = dims.pp * p.pp_stages_per_rank
     n_microbatches = pipeline_microbatches(p, dims.pp)
     mine = rank_stages(model, dims.pp, pp_rank, p, parallelize_stage)
+    last = mine[-1][1]
+    if mine[-1][0].is_last and getattr(last, "chunked_loss", None) is not None:
+        # A chunked loss applies the head itself: the last stage hands it normed hidden states.
+        last.hidden_out = True
+        loss_fn = last.loss
     stages = [PipelineStage(module, spec.index, n_stages, device, group=group) for spec, module in mine]
     return Pipeline(stages, [spec.layers for spec, _ in mine], p.pp_schedule, n_microbatches, group, loss_fn,
                     tied=bool(model.cfg.tie_embeddings))

@@ -112,7 +112,7 @@ def _simulate_rank(cfg: PlanInputs, dims: ParallelDims, rank: int) -> dict:
     # parameter as it is: simulate without it.
     run_dims = dataclasses.replace(dims, dp_replicate=1) if cfg.parallel.data_parallel == "ddp" else dims
     fsdp = run_dims.dp > 1
-    opts = ApplyOptions(cfg.train.activation_checkpoint, cfg.train.compile, cfg.parallel.data_parallel,
+    opts = ApplyOptions(cfg.train.activation_checkpoint, cfg.train.compile is True, cfg.parallel.data_parallel,
                         fsdp_policy(cfg.dtype))
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=dims.world_size)
     try:

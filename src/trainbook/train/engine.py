@@ -22,11 +22,11 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor
 
 from trainbook.data.loader import Batch
+from trainbook.model.loss import full_cross_entropy
 from trainbook.parallel.dims import ParallelDims
 from trainbook.parallel.runtime import Runtime
 from trainbook.phase import Phase, PhaseTracker
@@ -40,17 +40,17 @@ def to_device(batch: Batch, device: torch.device) -> Batch:
     return Batch(*(None if t is None else t.to(device, non_blocking=True) for t in batch))
 
 
-def logits_of(model: nn.Module, batch: Batch) -> torch.Tensor:
-    """The model's logits (B, T, V); positions (document packing) go in only when present."""
+def loss_of(model: nn.Module, batch: Batch) -> torch.Tensor:
+    """The batch's mean next-token loss, computed by the model (full or chunked: model/loss.py);
+    positions (document packing) go in only when present."""
     if batch.positions is None:
-        return model(batch.inputs)
-    return model(batch.inputs, batch.positions)
+        return model(batch.inputs, targets=batch.targets)
+    return model(batch.inputs, batch.positions, targets=batch.targets)
 
 
-def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Mean next-token cross entropy, computed in fp32 whatever the compute dtype."""
-    # logits: (B, T, V), targets: (B, T)
-    return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(0, 1))
+lm_loss = full_cross_entropy
+"""Mean next-token cross entropy of logits (B, T, V), in fp32 whatever the compute dtype (a
+pipeline's loss function when its last stage returns logits)."""
 
 
 def clip_grad_norm(params: list[nn.Parameter], max_norm: float) -> torch.Tensor:
@@ -91,7 +91,7 @@ class LocalEngine:
     def forward_backward(self, batch: Batch, accum_steps: int, scaler: LossScaler) -> torch.Tensor:
         self.tracker.enter(Phase.FORWARD)
         with self.precision.autocast():
-            loss = lm_loss(logits_of(self.model, batch), batch.targets)
+            loss = loss_of(self.model, batch)
         self.tracker.enter(Phase.BACKWARD)
         # Each micro-batch carries 1/accum of the gradient: the sum is the full batch's mean.
         (scaler.scale(loss) / accum_steps).backward()
@@ -102,7 +102,7 @@ class LocalEngine:
 
     def eval_loss(self, batch: Batch) -> torch.Tensor:
         with self.precision.autocast():
-            return lm_loss(logits_of(self.model, batch), batch.targets)
+            return loss_of(self.model, batch)
 
     def report_loss(self, mean: torch.Tensor) -> torch.Tensor:
         dims = self.rt.dims  # tp ranks hold copies of one replica's loss

@@ -25,7 +25,7 @@ import trainbook
 from trainbook.checkpoint import Checkpointer, any_rank, load_state, step_of, tensor_entries
 from trainbook.config import Config, dump_toml
 from trainbook.data import Prepared, TrainLoader, val_batches
-from trainbook.data.loader import DeliveredMix
+from trainbook.data.loader import Batch, DeliveredMix
 from trainbook.diagnose.layers import LayerStats
 from trainbook.diagnose.hang import start_hang_watchdog
 from trainbook.diagnose.oom import OutOfMemory
@@ -46,6 +46,7 @@ from trainbook.monitor.health import HealthFile, attempt
 from trainbook.monitor.host import cpu_wait_s
 from trainbook.monitor.sinks import due
 from trainbook.parallel.apply import ApplyOptions, parallelize
+from trainbook.parallel.compile import CompileChoice, settle_compile
 from trainbook.parallel.device import peak_memory_bytes
 from trainbook.parallel.dims import ParallelDims
 from trainbook.parallel.plan import PlanInputs
@@ -91,6 +92,11 @@ class Trainer:
         self.precision = Precision(cfg.precision, self.device,
                                    fsdp=dims.dp > 1 and cfg.parallel.data_parallel == "fsdp")
         seed_everything(cfg.run.seed)
+        self.flops_per_token = model_flops_per_token(cfg.model, cfg.train.seq_len)
+        self.peak, self.peak_note = device_peak(self.device, cfg.precision.dtype,  # measured once a host
+                                                cache=self.run_dir / "workers" / f"peak-{socket.gethostname()}.json")
+        self.compiling = self._decide_compile()
+        self.cfg = cfg = self.compiling.settled(cfg)  # train.compile and train.loss: what this run does
         self.engine = self._build_engine()
         self.model = self.engine.model
         attach_block_nan(self.model, self.tracker, self._data_step)  # only when TRAINBOOK_FAULT arms it
@@ -122,9 +128,6 @@ class Trainer:
         self.failure: DiagnosedFailure | None = None  # set by triage (policy stop); the loop ends with it
         self.accum_steps = cfg.train.grad_accum_steps(dims.dp)
         self.tokens_per_step = self.accum_steps * cfg.train.micro_batch_size * cfg.train.seq_len * dims.dp
-        self.flops_per_token = model_flops_per_token(cfg.model, cfg.train.seq_len)
-        self.peak, self.peak_note = device_peak(self.device, cfg.precision.dtype,  # measured once a host
-                                                cache=self.run_dir / "workers" / f"peak-{socket.gethostname()}.json")
         self.triage = Triage(cfg.triage, self.rt, self.run_dir, data, self.train_loader,
                              samples_per_step=self.tokens_per_step // cfg.train.seq_len)
         # Last: from here on every rank publishes what it does; a hang stops the run with a verdict.
@@ -142,7 +145,7 @@ class Trainer:
         self.notes = [f"pattern {p!r} in train.freeze/train.reinit matches no parameter" for p in unmatched]
         self.trainable = trainable_summary(model)
         opts = ApplyOptions(cfg.train.activation_checkpoint, cfg.train.compile, cfg.parallel.data_parallel,
-                            self.precision.fsdp_policy())
+                            self.precision.fsdp_policy(), loss=cfg.train.loss)
         if rt.dims.pp > 1:
             from trainbook.parallel.pipeline import build_pipeline
 
@@ -152,6 +155,16 @@ class Trainer:
             )
             return PipelineEngine(pipeline, self.precision, rt, self.tracker)
         return LocalEngine(parallelize(model, rt.dims, rt.mesh, opts), self.precision, rt, self.tracker)
+
+    def _decide_compile(self) -> CompileChoice:
+        """`train.compile` / `train.loss` settled for this run (parallel/compile.py): as an earlier
+        attempt of it settled them, else on the slowest rank's peak so every rank agrees."""
+        cfg, dims = self.cfg, self.rt.dims
+        peaks = [row[0] for row in self.rt.all_gather_floats([self.peak.flops if self.peak else -1.0])]
+        tokens = cfg.train.grad_accum_steps(dims.dp) * cfg.train.micro_batch_size * cfg.train.seq_len * dims.dp
+        return settle_compile(self.run_dir / "workers" / "compile.json", cfg.train, self.device, dims,
+                              step_flops=self.flops_per_token * tokens / self.rt.world_size,
+                              peak_flops=None if min(peaks) <= 0 else min(peaks))
 
     def _import_model(self):
         """A Hugging Face Llama's weights, grown to the recipe's vocabulary if that is larger."""
@@ -255,6 +268,7 @@ class Trainer:
         self._announce()
         report, decision = None, Decision.CONTINUE
         try:
+            self._compile_first()
             last_eval = self._evaluate() if self.val_batches and self.step == 0 else None
             with self._signals_stop_the_loop():
                 while self.step < t.last_step:
@@ -478,11 +492,44 @@ class Trainer:
             self._message(f"warning: {self.peak_note}")
         else:
             self.logger.info(self.peak_note)
+        self.logger.info(self.compiling.reason)
+        self._message(self.compiling.reason)
         for note in self.notes:
             self.logger.warning(note)
             self._message(f"warning: {note}")
         if self.step == 0:
             self.events.emit("start", self.step, tokens_per_step=tokens_per_step, **_process())
+
+    def _compile_first(self) -> None:
+        """Compile before step 1, so that no step's time (nor tokens/s) holds the compile: one
+        forward and backward of a batch of zeros of the training shape, its gradients dropped,
+        and a forward as evaluation runs it. Nothing the run computes changes (no RNG is drawn,
+        no weight moves). The seconds go to the log and events.jsonl (`compiled`). A pipeline
+        compiles inside its first step (its schedule has no pass outside a step)."""
+        if not self.cfg.train.compile or not isinstance(self.engine, LocalEngine):
+            return
+        t = self.cfg.train
+        start = time.perf_counter()
+        zeros = torch.zeros(t.micro_batch_size, t.seq_len, dtype=torch.long, device=self.device)
+        positions = torch.arange(t.seq_len, device=self.device).expand_as(zeros) \
+            if self.cfg.data.packing == "document" else None
+        batch = Batch(zeros, zeros, positions)
+        self.engine.forward_backward(batch, 1, self.scaler)
+        self.optimizer.zero_grad(set_to_none=True)
+        if self.val_batches:
+            with torch.no_grad():
+                self.model.eval()
+                self.engine.eval_loss(batch)
+                self.model.train()
+        sync = device_sync(self.device)
+        if sync is not None:
+            sync()
+        self.tracker.enter(Phase.IDLE)
+        self.tracker.take_durations()
+        seconds = time.perf_counter() - start
+        self.events.emit("compiled", self.step, seconds=round(seconds, 3))
+        self._message(f"compiled in {seconds:.1f} s (before step {self.step + 1}: in no step's time)")
+        self.logger.info(f"compiled in {seconds:.1f} s")
 
     def _evaluate(self) -> float:
         val_loss = evaluate(self.engine, self.val_batches, self.tracker)
