@@ -280,6 +280,19 @@ def bench_data(
     typer.echo(bench_data_command(recipe, overrides, seconds, log=typer.echo))
 
 
+@bench_app.command("model")
+def bench_model(
+    recipe: RecipeArg = None,
+    overrides: OverridesArg = None,
+    steps: Annotated[int, typer.Option(help="Timed steps after one warm-up step.", min=1)] = 5,
+    json_out: Annotated[str | None, typer.Option("--json", help="Also write the figures to this JSON file.")] = None,
+) -> None:
+    """The recipe's model alone on synthetic tokens: tokens/s, MFU, step split, peak memory."""
+    from trainbook.commands.bench_model import bench_model_command
+
+    typer.echo(bench_model_command(recipe, overrides, steps, json_out))
+
+
 @bench_app.command("comm")
 def bench_comm(
     nproc: Annotated[int, typer.Option(help="Ranks on this machine.", min=1)] = 2,

@@ -21,7 +21,6 @@ import shutil
 import statistics
 import subprocess
 import sys
-import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -30,6 +29,7 @@ from packaging.specifiers import SpecifierSet
 from packaging.version import InvalidVersion, Version
 
 from trainbook.config.book import EnvConfig
+from trainbook.monitor.flops import matmul_flops
 from trainbook.sizes import human
 
 STATUSES = ("pass", "warn", "fail", "skip")
@@ -237,11 +237,6 @@ def disk_row(runs_root: Path, params: int, keep_last: int) -> Row:
 
 # ---- the matmul probe ---------------------------------------------------------------------
 
-def _sync(device: torch.device) -> None:
-    if device.type in ("cuda", "npu"):
-        getattr(torch, device.type).synchronize(device)
-
-
 def matmul_size(device: torch.device) -> int:
     """Square matrix side: large enough to keep an accelerator busy, small enough for a CPU."""
     return 512 if device.type == "cpu" else 8192
@@ -249,27 +244,10 @@ def matmul_size(device: torch.device) -> int:
 
 def matmul_gflops(device: torch.device, n: int | None = None, inner: int = 8, reps: int = 5,
                   repeat: int = 1) -> float:
-    """GFLOP/s of `inner` chained (n x n) @ (n x n) matmuls, the best of `reps` timings (the best
-    is what the hardware can do; a busy neighbour only ever makes one slower). `repeat` > 1 does
-    every matmul that many times but counts it once: the `check.slow_matmul` fault."""
-    n = n or matmul_size(device)
-    dtype = torch.float32 if device.type == "cpu" else torch.bfloat16
-    gen = torch.Generator(device="cpu").manual_seed(0)
-    a = (torch.randn(n, n, generator=gen) / n**0.5).to(device, dtype)
-    b = (torch.randn(n, n, generator=gen) / n**0.5).to(device, dtype)
-    torch.mm(a, b)  # warm-up: kernels chosen, pages touched
-    _sync(device)
-    best = float("inf")
-    for _ in range(reps):
-        start = time.perf_counter()
-        x = a
-        for _ in range(inner):
-            for _ in range(repeat):
-                y = torch.mm(x, b)
-            x = y
-        _sync(device)
-        best = min(best, time.perf_counter() - start)
-    return 2 * n**3 * inner / best / 1e9
+    """GFLOP/s of the one matmul probe (monitor/flops.py `matmul_flops`, the probe MFU's CPU peak
+    comes from), in fp32 on a CPU and bf16 on an accelerator."""
+    dtype = "fp32" if device.type == "cpu" else "bf16"
+    return matmul_flops(device, dtype, n or matmul_size(device), inner, reps, repeat) / 1e9
 
 
 def outliers(rates: list[float]) -> list[int]:

@@ -95,24 +95,42 @@ def published_peak(device_name: str, dtype: str) -> Peak | None:
     return None
 
 
-def measure_matmul_peak(device: torch.device, dtype: str, seconds: float = 0.5, n: int = 1024) -> Peak:
-    """The best square-matmul throughput of this process on `device` (one warm-up, then repeated
-    timings for about `seconds`): the CPU's practical peak with the threads this run uses."""
+def matmul_flops(device: torch.device, dtype: str = "fp32", n: int = 1024, inner: int = 8, reps: int = 5,
+                 repeat: int = 1) -> float:
+    """FLOP/s of `inner` chained (n x n) @ (n x n) matmuls in `dtype`, the best of `reps` timings
+    (the best is what the hardware can do; a busy neighbour only ever makes one slower). The one
+    matmul probe: the CPU peak MFU is measured against, and `trainbook check`'s per-rank probe.
+    `repeat` > 1 does every matmul that many times but counts it once (`check.slow_matmul`)."""
     torch_dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[dtype]
-    a = torch.randn(n, n, device=device).to(torch_dtype)
-    b = torch.randn(n, n, device=device).to(torch_dtype)
-    torch.mm(a, b)
-    best, deadline = float("inf"), time.perf_counter() + seconds
-    while True:
+    gen = torch.Generator(device="cpu").manual_seed(0)
+    # Scaled by 1/sqrt(n) so that chained products stay O(1), never overflowing fp16.
+    a = (torch.randn(n, n, generator=gen) / n**0.5).to(device, torch_dtype)
+    b = (torch.randn(n, n, generator=gen) / n**0.5).to(device, torch_dtype)
+    torch.mm(a, b)  # warm-up: kernels chosen, pages touched
+    _sync(device)
+    best = float("inf")
+    for _ in range(reps):
         start = time.perf_counter()
-        torch.mm(a, b)
-        if device.type != "cpu":
-            getattr(torch, device.type).synchronize(device)
+        x = a
+        for _ in range(inner):
+            for _ in range(repeat):
+                y = torch.mm(x, b)
+            x = y
+        _sync(device)
         best = min(best, time.perf_counter() - start)
-        if time.perf_counter() > deadline:
-            break
-    return Peak(2.0 * n**3 / best, f"cpu ({torch.get_num_threads()} threads)", dtype,
-                f"measured: best {n}x{n} matmul in {dtype} at the start of the run")
+    return 2.0 * n**3 * inner / best
+
+
+def _sync(device: torch.device) -> None:
+    if device.type in ("cuda", "npu"):
+        getattr(torch, device.type).synchronize(device)
+
+
+def measure_matmul_peak(device: torch.device, dtype: str, n: int = 1024) -> Peak:
+    """The best square-matmul throughput of this process on `device` (`matmul_flops`): the
+    CPU's practical peak with the threads this run uses."""
+    return Peak(matmul_flops(device, dtype, n), f"cpu ({torch.get_num_threads()} threads)", dtype,
+                f"measured: best of 5 x 8 chained {n}x{n} matmuls in {dtype}")
 
 
 def _cached_peak(cache: Path, dtype: str) -> Peak | None:

@@ -1,0 +1,46 @@
+"""`trainbook bench model`: the recipe's model alone on synthetic tokens (the real CLI)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tests.conftest import run_cli, run_cli_error, write_corpus, write_recipe
+from trainbook.model import build_model, num_params, resolve
+from trainbook.config import ModelConfig
+from trainbook.monitor.flops import model_flops_per_token
+
+
+def test_bench_model_reports_rate_mfu_split_and_memory_without_data(tmp_path):
+    """No data is prepared (the recipe's corpus does not even exist); the figures hang together:
+    tokens/s is the step's tokens over its median time, MFU is tokens/s x FLOPs per token over
+    the measured peak, the phases add up to the step, and the plan's estimate is given."""
+    recipe = write_recipe(tmp_path / "unit.toml", tmp_path / "no-such-corpus")
+    out = tmp_path / "bench.json"
+    done = run_cli("bench", "model", str(recipe), "model.name=tiny", "train.micro_batch_size=2",
+                   "train.compile=false", "--steps", "3", "--json", str(out), cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    b = json.loads(out.read_text())
+    assert not (tmp_path / "runs").exists()  # nothing prepared, no run directory
+    model = resolve(ModelConfig(name="tiny", vocab_size=512))  # the recipe's vocabulary
+    assert b["params"] == num_params(build_model(model, "meta", 0))
+    assert b["tokens_per_step"] == 256  # global_batch_tokens: 4 micro-batches of 2 x 32
+    assert b["tokens_per_s"] == pytest.approx(b["tokens_per_step"] / b["step_s"])
+    flops = model_flops_per_token(model, 32)
+    assert b["mfu"] == pytest.approx(b["tokens_per_s"] * flops / b["peak_flops"])
+    assert 0 < b["mfu"] < 1
+    assert set(b["phases"]) == {"forward", "backward", "optimizer", "other"}
+    assert all(v >= 0 for k, v in b["phases"].items() if k != "other")
+    assert sum(b["phases"].values()) == pytest.approx(b["step_s"], rel=0.05)
+    assert (b["compile"], b["loss"]) == (False, "full") and "train.compile = false" in b["choice"]
+    assert b["mem_peak_bytes"] > 0 and b["plan_bytes"] > 0
+    text = done.stdout
+    assert f"{b['tokens_per_s']:,.0f} tokens/s" in text and f"MFU {b['mfu']:.1%}" in text
+    assert "forward" in text and "plan estimates" in text
+
+
+def test_bench_model_refuses_bad_input_in_one_line(tmp_path):
+    recipe = write_recipe(tmp_path / "unit.toml", write_corpus(tmp_path / "corpus"))
+    line = run_cli_error("bench", "model", str(recipe), "train.compile=sometimes", cwd=tmp_path)
+    assert "train.compile" in line
