@@ -34,7 +34,7 @@ from trainbook.config.schema import ModelConfig  # noqa: E402
 from trainbook.model.registry import resolve  # noqa: E402
 from trainbook.monitor.flops import matmul_flops, model_flops_per_token  # noqa: E402
 
-PEER_SCRIPTS = REPO.parent / "shared" / "peers" / "torchtitan-cpu"
+HARNESS = REPO.parent / "shared" / "peers" / "torchtitan-cpu"
 SHAPE = ["model.dim=256", "model.n_layers=6", "model.n_heads=16", "model.n_kv_heads=16", "model.ffn_dim=768",
          "model.vocab_size=2048", "model.tie_embeddings=false", "model.rope_theta=500000", "model.max_seq_len=2048",
          "tokenizer.vocab_size=2048", "train.seq_len=2048", "train.micro_batch_size=8",
@@ -42,8 +42,8 @@ SHAPE = ["model.dim=256", "model.n_layers=6", "model.n_heads=16", "model.n_kv_he
          "train.eval_every=0", "log.every_steps=1", "checkpoint.interval_steps=0"]
 
 
-def torchtitan(peer: Path, steps: int) -> float:
-    done = subprocess.run(["bash", str(PEER_SCRIPTS / "run.sh"), str(peer), str(steps)],
+def torchtitan(harness: Path, peer: Path, steps: int) -> float:
+    done = subprocess.run(["bash", str(harness / "run.sh"), str(peer), str(steps)],
                           capture_output=True, text=True, check=True)
     rates = {int(p[1]): float(p[3]) for p in (line.split() for line in done.stdout.splitlines()) if p[:1] == ["step"]}
     return statistics.median(v for k, v in rates.items() if k >= 3)
@@ -75,6 +75,7 @@ def trainbook(steps: int, compile_setting: str | None, runs: Path) -> tuple[floa
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--peer", type=Path, required=True, help="the folder torchtitan-cpu's setup.sh filled")
+    ap.add_argument("--harness", type=Path, default=HARNESS, help="the torchtitan-cpu harness (its run.sh)")
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--steps", type=int, default=10)
     args = ap.parse_args()
@@ -85,7 +86,7 @@ def main() -> None:
         before = peak()
         rounds = []
         for r in range(1, args.rounds + 1):
-            tt = torchtitan(args.peer, args.steps)
+            tt = torchtitan(args.harness, args.peer, args.steps)
             tb, choice = trainbook(args.steps, None, runs)
             eager, _ = trainbook(args.steps, "false", runs)
             rounds.append((tt, tb, eager))

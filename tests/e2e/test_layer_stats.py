@@ -119,7 +119,7 @@ def test_compiled_activation_statistics_are_the_eager_ones(compiled_runs):
 def test_compiled_statistics_change_nothing_and_compile_nothing(compiled_runs):
     """With statistics on, the compiled run is bitwise the one without (losses, gradient norms,
     validation losses, final weights), and dynamo traced the same frames: the blocks' forward for
-    training and for evaluation, no hook, whichever steps were armed."""
+    training and for evaluation and the loss's chunk, no hook, whichever steps were armed."""
     (on, traced_on), (off, traced_off) = compiled_runs["compiled"], compiled_runs["compiled_off"]
     keep = ("kind", "step", "loss", "grad_norm", "val_loss")
     assert [{k: r[k] for k in keep if k in r} for r in _rows(on, "metrics.jsonl")] == \
@@ -129,4 +129,9 @@ def test_compiled_statistics_change_nothing_and_compile_nothing(compiled_runs):
     for name in w_on:
         assert torch.equal(w_on[name], w_off[name]), name
     assert traced_on == traced_off
-    assert [f for f, _ in traced_on] == ["forward", "forward"], traced_on
+    # The block for training, the chunked loss's kernel (train.loss = auto: chunked when compiled),
+    # the block for evaluation: all before step 1 (`compiled` in events.jsonl), none after.
+    assert sorted(f for f, _ in traced_on) == ["_chunk_loss_and_grad", "forward", "forward"], traced_on
+    for run in (on, off):
+        compiled = [e for e in _rows(run, "events.jsonl") if e["kind"] == "compiled"]
+        assert len(compiled) == 1 and compiled[0]["step"] == 0 and compiled[0]["seconds"] > 0
