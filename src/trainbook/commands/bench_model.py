@@ -98,7 +98,8 @@ def bench_model(cfg: Config, device: torch.device, steps: int = 5) -> ModelBench
     flops_per_token = model_flops_per_token(cfg.model, t.seq_len)
     peak, peak_note = device_peak(device, cfg.precision.dtype)
     choice = decide(t.compile, t.loss, device, ONE, step_flops=flops_per_token * tokens_per_step,
-                    steps=t.max_steps, peak_flops=peak.flops if peak else None)
+                    steps=t.max_steps, peak_flops=peak.flops if peak else None,
+                    micro_tokens=t.micro_batch_size * t.seq_len)
     torch.manual_seed(cfg.run.seed)
     model = build_model(cfg.model, device, seed=cfg.run.seed)
     precision = Precision(cfg.precision, device)

@@ -242,7 +242,8 @@ class TrainConfig(Section):
     it runs and the run is long enough to repay compiling (parallel/compile.py says the rule)."""
     loss: Literal["auto", "chunked", "full"] = "auto"
     """Cross entropy from `full` logits, or `chunked` (the head and the loss together, 2048 rows of
-    logits at a time, model/loss.py). `auto`: chunked when compiled, full when eager."""
+    logits at a time, model/loss.py). `auto`: chunked when compiled or when a micro-batch holds
+    more than 2048 tokens, else full."""
     profile_phases: bool = False
     """Synchronise the device at every phase boundary, so the step's `phases` in metrics.jsonl are
     what each phase cost on the device (not only on the host). Costs the overlap of host and device."""

@@ -15,8 +15,10 @@
   7M-parameter 2K-context model compiles (~80 s).
 
 `loss = "auto"` computes the loss chunked (model/loss.py: the head and cross entropy together, at
-most 2048 rows of logits at once) when the blocks are compiled, and from full logits otherwise:
-eager, the chunk loop is slower than one full cross entropy. Tensor parallel keeps full logits
+most 2048 rows of logits at once) when the blocks are compiled, or when a micro-batch holds more
+rows than one chunk; from full logits otherwise. Measured on 2 CPU cores (benchmarks/loss.py),
+eager: 16,384 tokens x vocab 2048, chunked 1.22x faster than full; 2,048 tokens x vocab 1024 (the
+default recipe's micro-batch: one chunk), chunked 0.71x, so a single chunk stays full. Tensor parallel keeps full logits
 (its head's output is a vocabulary-sharded DTensor), and so does a pipeline whose stages are
 FSDP-sharded (the head's weight is gathered only inside the stage's forward, and the pipeline's
 loss runs after it).
@@ -38,6 +40,7 @@ from pathlib import Path
 import torch
 
 from trainbook.atomic import atomic_write_json
+from trainbook.model.loss import DEFAULT_CHUNK_TOKENS
 from trainbook.parallel.dims import ParallelDims
 
 COMPILE_S = {"cpu": 30.0, "cuda": 60.0}
@@ -77,7 +80,7 @@ def settle_compile(record: Path, train, device: torch.device, dims: ParallelDims
     except (OSError, ValueError, KeyError, TypeError):
         pass
     choice = decide(train.compile, train.loss, device, dims, step_flops=step_flops, steps=train.max_steps,
-                    peak_flops=peak_flops)
+                    peak_flops=peak_flops, micro_tokens=train.micro_batch_size * train.seq_len)
     record.parent.mkdir(parents=True, exist_ok=True)
     atomic_write_json(record, {"settings": settings, **asdict(choice)})
     return choice
@@ -95,15 +98,15 @@ def compiler_missing(device: torch.device) -> str | None:
 
 
 def decide(setting: bool | str, loss: str, device: torch.device, dims: ParallelDims, *,
-           step_flops: float, steps: int, peak_flops: float | None) -> CompileChoice:
+           step_flops: float, steps: int, peak_flops: float | None, micro_tokens: int = 0) -> CompileChoice:
     """`setting`: train.compile (True, False or "auto"); `loss`: train.loss; `step_flops`: one
     rank's FLOPs per optimizer step; `steps`: the run's planned length (train.max_steps);
-    `peak_flops`: one device's peak, None when unknown."""
+    `peak_flops`: one device's peak, None when unknown; `micro_tokens`: tokens per micro-batch."""
     if setting == "auto":
         on, why = _auto(device, dims, step_flops, steps, peak_flops)
     else:
         on, why = bool(setting), f"train.compile = {str(setting).lower()}"
-    chunked, loss_why = _loss(loss, on, dims)
+    chunked, loss_why = _loss(loss, on, dims, micro_tokens)
     return CompileChoice(on, "chunked" if chunked else "full",
                          f"compile {'on' if on else 'off'} ({why}); loss {'chunked' if chunked else 'full'} ({loss_why})")
 
@@ -127,7 +130,7 @@ def _auto(device: torch.device, dims: ParallelDims, step_flops: float, steps: in
     return True, f"{steps} steps save at least ~{saved:.0f} s against ~{cost:.0f} s compiling"
 
 
-def _loss(setting: str, compiled: bool, dims: ParallelDims) -> tuple[bool, str]:
+def _loss(setting: str, compiled: bool, dims: ParallelDims, micro_tokens: int) -> tuple[bool, str]:
     if setting == "full":
         return False, "train.loss = full"
     if dims.tp > 1:
@@ -136,6 +139,9 @@ def _loss(setting: str, compiled: bool, dims: ParallelDims) -> tuple[bool, str]:
         return False, "a pipeline's loss runs outside its FSDP-sharded last stage"
     if setting == "chunked":
         return True, "train.loss = chunked"
-    if not compiled:
-        return False, "eager, the chunked loss is slower than the full one"
-    return True, "compiled, the chunked loss is faster and never holds the full logits"
+    if compiled:
+        return True, "compiled, the chunked loss is faster and never holds the full logits"
+    if micro_tokens > DEFAULT_CHUNK_TOKENS:
+        return True, (f"{micro_tokens} tokens a micro-batch: {micro_tokens // DEFAULT_CHUNK_TOKENS}+ chunks of "
+                      f"{DEFAULT_CHUNK_TOKENS}, faster than full logits")
+    return False, f"eager, and {micro_tokens} tokens a micro-batch fit one chunk: full logits are faster"

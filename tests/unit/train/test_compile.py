@@ -106,3 +106,12 @@ def test_a_run_keeps_the_choice_its_first_attempt_made(tmp_path):
     forced_off = settle_compile(record, train.model_copy(update={"compile": False}), CPU, ONE,
                                 step_flops=1e12, peak_flops=TB)
     assert not forced_off.compile and forced_off.reason.startswith("compile off (train.compile = false)")
+
+
+def test_an_eager_run_chunks_its_loss_only_past_one_chunk():
+    """Eager, a micro-batch of one chunk (2048 tokens: the default recipe's) keeps full logits;
+    more than one chunk is chunked (benchmarks/loss.py measured it faster there)."""
+    one = decide(False, "auto", CPU, ONE, step_flops=1, steps=1, peak_flops=TB, micro_tokens=2048)
+    assert one.loss == "full" and "fit one chunk" in one.reason
+    many = decide(False, "auto", CPU, ONE, step_flops=1, steps=1, peak_flops=TB, micro_tokens=16384)
+    assert many.loss == "chunked" and "16384 tokens a micro-batch" in many.reason
