@@ -28,6 +28,7 @@ from torch.utils._pytree import tree_leaves
 
 from trainbook.commands.resolve import resolve
 from trainbook.parallel.apply import _SAVE_OPS
+from trainbook.parallel.compile import CompileChoice
 from trainbook.parallel.runtime import Runtime, end_process
 from trainbook.phase import PhaseTracker
 from trainbook.precision import Precision
@@ -165,7 +166,10 @@ class _SelectiveCache(TorchDispatchMode):
 def run_case(name: str, overrides: list[str], out_dir: Path) -> None:
     world, rank = dist.get_world_size(), dist.get_rank()
     res = resolve(RECIPE, overrides, world)
-    cfg, dims = res.cfg, res.dims
+    # The trainer settles train.compile and train.loss before it builds (parallel/compile.py);
+    # the plan is of the eager layout with full logits.
+    cfg = CompileChoice(False, "full", "").settled(res.cfg)
+    dims = res.dims
     device = torch.device("cpu")
     rt = Runtime(rank, world, dims, device, mesh=dims.build_mesh("cpu"))
     # The trainer's own build path (it reads only these attributes of the trainer).

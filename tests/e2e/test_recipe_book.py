@@ -66,11 +66,20 @@ def verified(tmp_path_factory, shakespeare_cache):
     return cwd, done
 
 
-def test_the_default_recipe_verifies_bit_for_bit_on_this_machine(verified):
+def test_the_default_recipe_verifies_against_its_committed_baseline(verified):
+    """The recipe is numerically the baseline's (its `auto` compile and loss settled as the
+    baseline's runs computed: eager, full logits). Where this machine is the baseline's (same
+    devices, torch and packages) the run is judged bit for bit; elsewhere within the band of the
+    5 seeds (`baseline` then `verify` on one machine is bit for bit: the baseline test below)."""
     _, done = verified
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    assert "judged bit for bit" in done.stdout and f"PASS: " in done.stdout, done.stdout[-2000:]
-    assert f"up to step {PREFIX}, all bit-for-bit equal" in done.stdout
+    assert "config differs" not in done.stdout, done.stdout[-2000:]
+    if "environment differs" in done.stdout:
+        assert "judged within the band of 5 seeds" in done.stdout, done.stdout[-2000:]
+        assert f"PASS: 3 points up to step {PREFIX}, all within the band" in done.stdout
+    else:
+        assert "judged bit for bit" in done.stdout, done.stdout[-2000:]
+        assert f"up to step {PREFIX}, all bit-for-bit equal" in done.stdout
 
 
 def test_a_baseline_from_another_environment_is_judged_within_its_band(verified, tmp_path):

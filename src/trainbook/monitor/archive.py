@@ -38,7 +38,7 @@ RUN_MARKER = "config.resolved.toml"
 class RunRecord:
     path: Path
     config: dict
-    """config.resolved.toml as a tree."""
+    """config.resolved.toml as a tree, with train.compile and train.loss as the run settled them."""
     env: dict = field(default_factory=dict)
     train: list[dict] = field(default_factory=list)
     """metrics.jsonl train lines, by step."""
@@ -119,6 +119,10 @@ def load_run(path: str | Path, *, need_metrics: bool = True) -> RunRecord:
         config = tomllib.loads((path / RUN_MARKER).read_text(encoding="utf-8"))
     except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
         raise TrainbookError(f"not valid TOML: {e}", where=str(path / RUN_MARKER)) from None
+    # `auto` as the run settled it (parallel/compile.py keeps the choice in workers/compile.json).
+    settled = _read_json(path / "workers" / "compile.json")
+    if "compile" in settled and "loss" in settled:
+        config.setdefault("train", {}).update(compile=settled["compile"], loss=settled["loss"])
     metrics = read_jsonl(path / "metrics.jsonl")
     run = RunRecord(
         path=path, config=config, env=_read_json(path / "env.json"),

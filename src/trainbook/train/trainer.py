@@ -96,6 +96,7 @@ class Trainer:
         self.peak, self.peak_note = device_peak(self.device, cfg.precision.dtype,  # measured once a host
                                                 cache=self.run_dir / "workers" / f"peak-{socket.gethostname()}.json")
         self.compiling = self._decide_compile()
+        resolved = cfg  # what checkpoints describe (a resume compares it with its own resolution)
         self.cfg = cfg = self.compiling.settled(cfg)  # train.compile and train.loss: what this run does
         self.engine = self._build_engine()
         self.model = self.engine.model
@@ -118,7 +119,7 @@ class Trainer:
                                self.rt, self.model, self.optimizer, self.run_dir, self.events, self.logger)
         self.checkpointer = Checkpointer(
             self.run_dir / "checkpoints", cfg.checkpoint, rank=self.rank, world_size=self.rt.world_size,
-            describe=checkpoint_description(cfg, dims), on_commit=self._on_checkpoint_committed,
+            describe=checkpoint_description(resolved, dims), on_commit=self._on_checkpoint_committed,
         )
         self.step = 0
         self._step_start = 0.0  # perf_counter() when the current step began (advance -> publish)
