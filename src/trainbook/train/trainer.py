@@ -25,7 +25,7 @@ import trainbook
 from trainbook.checkpoint import Checkpointer, any_rank, load_state, step_of, tensor_entries
 from trainbook.config import Config, dump_toml
 from trainbook.data import Prepared, TrainLoader, val_batches
-from trainbook.data.loader import Batch, DeliveredMix
+from trainbook.data.loader import DeliveredMix
 from trainbook.diagnose.layers import LayerStats
 from trainbook.diagnose.hang import start_hang_watchdog
 from trainbook.diagnose.oom import OutOfMemory
@@ -59,6 +59,7 @@ from trainbook.train.optim import build_optimizer, load_optimizer_state, optimiz
 from trainbook.train.rng import rng_state, set_rng_state
 from trainbook.train.schedule import LRSchedule
 from trainbook.train.step import StepResult, evaluate, reported, train_step
+from trainbook.train.warmup import compile_first
 from trainbook.train.stragglers import StragglerProbes
 
 
@@ -502,32 +503,12 @@ class Trainer:
             self.events.emit("start", self.step, tokens_per_step=tokens_per_step, **_process())
 
     def _compile_first(self) -> None:
-        """Compile before step 1, so that no step's time (nor tokens/s) holds the compile: one
-        forward and backward of a batch of zeros of the training shape, its gradients dropped,
-        and a forward as evaluation runs it. Nothing the run computes changes (no RNG is drawn,
-        no weight moves). The seconds go to the log and events.jsonl (`compiled`). A pipeline
-        compiles inside its first step (its schedule has no pass outside a step)."""
+        """Compile before step 1 (train/warmup.py), so that no step's time holds the compile."""
         if not self.cfg.train.compile or not isinstance(self.engine, LocalEngine):
-            return
-        t = self.cfg.train
-        start = time.perf_counter()
-        zeros = torch.zeros(t.micro_batch_size, t.seq_len, dtype=torch.long, device=self.device)
-        positions = torch.arange(t.seq_len, device=self.device).expand_as(zeros) \
-            if self.cfg.data.packing == "document" else None
-        batch = Batch(zeros, zeros, positions)
-        self.engine.forward_backward(batch, 1, self.scaler)
-        self.optimizer.zero_grad(set_to_none=True)
-        if self.val_batches:
-            with torch.no_grad():
-                self.model.eval()
-                self.engine.eval_loss(batch)
-                self.model.train()
-        sync = device_sync(self.device)
-        if sync is not None:
-            sync()
+            return  # a pipeline compiles inside its first step (its schedule has no pass outside one)
+        seconds = compile_first(self.engine, self.optimizer, self.scaler, self.cfg, evaluate=bool(self.val_batches))
         self.tracker.enter(Phase.IDLE)
         self.tracker.take_durations()
-        seconds = time.perf_counter() - start
         self.events.emit("compiled", self.step, seconds=round(seconds, 3))
         self._message(f"compiled in {seconds:.1f} s (before step {self.step + 1}: in no step's time)")
         self.logger.info(f"compiled in {seconds:.1f} s")
