@@ -1,23 +1,54 @@
-"""What the host did to the training thread: time it was ready to run but waited for a CPU.
+"""What the host did to the training process: time its threads were ready to run but waited for a CPU.
 
 A step that takes longer because other processes hold the CPUs (an oversubscribed node, a
 neighbour's job) looks like any other slowdown in tokens/s. Linux counts, per thread, the time
-spent runnable on a run queue (`/proc/self/schedstat`, second field, ns); its share of a step's
-wall time tells contention apart from a slower input pipeline (a thread waiting for data sleeps,
-it is not runnable). The training thread is the process's main thread, which launches the
-kernels on an accelerator and takes part in every CPU kernel.
+spent on a CPU and the time spent runnable on a run queue (`/proc/<pid>/task/<tid>/schedstat`,
+first and second fields, ns). Over a step, the share of the process's demanded CPU time that it
+spent waiting tells contention apart from a slower input pipeline (a thread waiting for data
+sleeps: it is neither running nor runnable).
+
+Every thread counts, not only the main one: on a CPU the intra-op worker threads do the kernels
+while the main thread sleeps in their barrier, so the main thread alone can show no wait while
+the work is starved; on an accelerator the launching thread is the one that runs.
 """
 
 from __future__ import annotations
 
-SCHEDSTAT = "/proc/self/schedstat"
+import os
+
+TASKS = "/proc/self/task"
+
+CpuTimes = dict[int, tuple[int, int]]
+"""Thread id -> (ns on a CPU, ns runnable but waiting) since that thread started."""
 
 
-def cpu_wait_s() -> float | None:
-    """Seconds the main thread has spent runnable but not running since it started; None where
-    the kernel does not say (not Linux, or schedstats compiled out)."""
+def cpu_times() -> CpuTimes | None:
+    """Every thread's CPU and run-queue time now; None where the kernel does not say (not Linux,
+    or schedstats compiled out)."""
     try:
-        with open(SCHEDSTAT) as f:
-            return int(f.read().split()[1]) / 1e9
-    except (OSError, IndexError, ValueError):
+        tids = os.listdir(TASKS)
+    except OSError:
         return None
+    times: CpuTimes = {}
+    for tid in tids:
+        try:
+            with open(f"{TASKS}/{tid}/schedstat") as f:
+                ran, waited = f.read().split()[:2]
+            times[int(tid)] = (int(ran), int(waited))
+        except (OSError, ValueError):
+            continue  # the thread ended between listing and reading
+    return times or None
+
+
+def cpu_wait_share(before: CpuTimes | None, after: CpuTimes | None) -> float | None:
+    """Of the CPU time the process's threads asked for between two readings (ran + waited), the
+    share they spent waiting for a CPU: ~0 on an idle machine, ~1 - 1/k when k runnable threads
+    share each CPU. A thread started in between counts from its start; one that ended is lost."""
+    if before is None or after is None:
+        return None
+    ran = waited = 0
+    for tid, (r1, w1) in after.items():
+        r0, w0 = before.get(tid, (0, 0))
+        ran, waited = ran + r1 - r0, waited + w1 - w0
+    demand = ran + waited
+    return waited / demand if demand > 0 else 0.0

@@ -43,7 +43,7 @@ from trainbook.monitor import (
 )
 from trainbook.monitor.flops import device_peak, mfu, model_flops_per_token
 from trainbook.monitor.health import HealthFile, attempt
-from trainbook.monitor.host import cpu_wait_s
+from trainbook.monitor.host import cpu_times, cpu_wait_share
 from trainbook.monitor.sinks import due
 from trainbook.parallel.apply import ApplyOptions, parallelize
 from trainbook.parallel.compile import CompileChoice, settle_compile
@@ -323,7 +323,7 @@ class Trainer:
             stats.arm()
         if self.profiler is not None:
             self.profiler.before_step(self.step + 1)
-        start, waited = time.perf_counter(), cpu_wait_s()
+        start, host_before = time.perf_counter(), cpu_times()
         self._step_start = start
         self.tracker.begin_step(self.step + 1)
         self.batches.begin()
@@ -343,7 +343,7 @@ class Trainer:
         except RuntimeError as e:
             raise self._explain(e) from e
         elapsed = time.perf_counter() - start
-        waited = None if waited is None else cpu_wait_s() - waited
+        waited = cpu_wait_share(host_before, cpu_times())
         self.step += 1
         self.tokens += self.tokens_per_step  # a skipped step consumed its data too
         # Provisional: `publish` times the whole record and settles these.
@@ -357,7 +357,7 @@ class Trainer:
             skipped_steps=self.scaler.skipped if self.scaler.enabled else None, skipped=result.skipped,
             mfu=mfu(tokens_per_s, self.flops_per_token, self.peak, self.rt.world_size),
             data_wait_share=result.phases["data"] / elapsed,
-            cpu_wait_share=None if waited is None else min(1.0, waited / elapsed),
+            cpu_wait_share=waited,
             **self._gather(elapsed, result.phases, mem),
         )
         self._layer_stats_due = stats
