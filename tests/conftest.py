@@ -13,6 +13,9 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 RECIPES = REPO / "recipes"
 
+CHILD_TIMEOUT_S = 600
+"""The longest any one child process of a test may run (tests/unit/test_timeouts.py: the rule)."""
+
 # A few lines of real play text, enough for a tokenizer and a handful of samples.
 PLAY = """BERNARDO:
 Who's there?

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import PLAY, prepared_recipe, run_cli, run_cli_error, write_corpus, write_recipe
+from tests.conftest import CHILD_TIMEOUT_S, PLAY, prepared_recipe, run_cli, run_cli_error, write_corpus, write_recipe
 
 PAYLOAD_KEYS = {"run", "rank", "rule", "value", "step", "time", "message", "threshold"}
 # A constant LR well above the debug recipe's: the model learns the plays in a few steps, so a
@@ -122,7 +122,7 @@ def test_clean_default_run_fires_nothing(shakespeare_cache, tmp_path):
     done = run_cli("run", "train.max_steps=40", "train.global_batch_tokens=512", "train.eval_every=10",
                    "schedule.warmup_steps=5", "alerts.window=10", f"data.cache_dir={shakespeare_cache}",
                    "--run-dir", str(run_dir), cwd=tmp_path,
-                   timeout=900)  # 40 steps of the default model: minutes on a starved machine
+                   timeout=CHILD_TIMEOUT_S)  # 40 steps of the default model: minutes on a starved machine
     assert done.returncode == 0, done.stderr
     contended = [a for a in _alerts(run_dir) if a["rule"] == "throughput_drop"
                  and "the machine is busy with other work" in a["message"]]
