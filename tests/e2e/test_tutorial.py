@@ -6,23 +6,19 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import subprocess
 import sys
 from pathlib import Path
 
-from tests.conftest import PLAY, REPO, write_hf_llama
+from tests import readme
+from tests.conftest import PLAY, write_hf_llama
 
 SECTION = "## Your data, your model"
 
 
 def tutorial_blocks() -> list[tuple[str, str]]:
     """(language, text) of each fenced block of the tutorial section, in order."""
-    readme = (REPO / "README.md").read_text(encoding="utf-8")
-    start = readme.index(SECTION)
-    end = readme.find("\n## ", start + len(SECTION))
-    section = readme[start:end if end != -1 else None]
-    return re.findall(r"^```(\w+)\n(.*?)^```", section, flags=re.S | re.M)
+    return [(block.lang, block.text) for block in readme.blocks(SECTION)]
 
 
 def test_the_tutorial_blocks_run_as_written(tmp_path):

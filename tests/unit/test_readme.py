@@ -1,0 +1,136 @@
+"""The README's figures that come from committed files, compared with those files: the exit-code
+table with errors.py, the exit status each provoked failure shows with the code of that failure,
+the default recipe's numbers with its recipe, model and baseline, the perturbed-verify block's
+baseline columns with the baseline. Nothing is run; output of real commands is compared by
+tests/e2e/test_readme_output.py and the tests named in the README."""
+
+from __future__ import annotations
+
+import json
+import re
+
+from tests import readme
+from tests.conftest import RECIPES
+from trainbook import errors
+from trainbook.config import load_config
+from trainbook.model import registry
+from trainbook.model.llama import build_model, num_params
+
+BASELINE = json.loads((RECIPES / "baselines" / "tiny-shakespeare.json").read_text())
+
+# Each failure kind, by a word its row of the exit-code table must hold.
+KINDS = {
+    errors.TrainbookError: "bad input",
+    errors.DiagnosedFailure: "out of memory",
+    errors.HangFailure: "hang",
+    errors.NonFiniteFailure: "non-finite",
+    errors.RepeatedFailure: "restarts",
+}
+
+# The exit status shown after each `echo $?` of a playbook, in order: what failed there.
+SHOWN = {
+    "### Preflight: trainbook check": [1, errors.TrainbookError.exit_code],  # check's own 1 on a fail, then run refusing
+    "### Hangs": [errors.HangFailure.exit_code],
+    "### NaN and loss spikes": [errors.NonFiniteFailure.exit_code],
+    "### Out of memory": [errors.DiagnosedFailure.exit_code],
+}
+
+
+def _doc_table(doc: str) -> dict[str, str]:
+    return {m.group(1): m.group(2) for m in re.finditer(r"^\| (\S+) \| (.+) \|$", doc, flags=re.M) if m.group(1) != "code"}
+
+
+def test_the_exit_code_table_is_the_one_errors_py_defines():
+    rows = readme.table_after("Exit codes of `trainbook run`")
+    assert rows[0] == ["code", "meaning"], rows[0]
+    table = dict(rows[1:])
+    defined = _doc_table(errors.__doc__)
+    assert list(table) == list(defined), (list(table), list(defined))
+    for kind, word in KINDS.items():
+        code = str(kind.exit_code)
+        assert word in table[code], f"README: exit code {code} is {kind.__name__} ({word}), the table says {table[code]!r}"
+        assert word in defined[code], f"errors.py: exit code {code} is {kind.__name__}, its table says {defined[code]!r}"
+
+
+def _shown_statuses(heading: str) -> list[int]:
+    """The status printed after each `echo $?` in the section's transcripts."""
+    shown = []
+    for block in readme.blocks(heading):
+        for command, printed in readme.transcript(block) if block.text.startswith("$ ") else []:
+            if command.rstrip().endswith("echo $?"):
+                shown.append(int(printed[-1]))
+    return shown
+
+
+def test_each_shown_exit_status_is_the_code_of_what_failed():
+    for heading, codes in SHOWN.items():
+        assert _shown_statuses(heading) == codes, heading
+    # Every exit status the README shows is one of the above: a new one needs its line in SHOWN.
+    assert readme.readme().count("echo $?") == sum(len(codes) for codes in SHOWN.values())
+
+
+def test_the_default_recipe_paragraph_says_what_the_recipe_and_model_are():
+    cfg = load_config(RECIPES / "tiny-shakespeare.toml")
+    model = registry.resolve(cfg.model)
+    text = " ".join(readme.section("## The embedded default, as it ran here")[0].split())
+    said = re.search(r"a byte-level BPE of ([\d,]+) tokens .*?\(dim (\d+), (\d+) layers, (\d+) heads with (\d+) KV "
+                     r"heads, tied embeddings: ([\d.]+)M parameters\), (\d+) steps of (\d+) x (\d+) tokens", text)
+    assert said, text[:800]
+    n = num_params(build_model(model, "meta", seed=0))
+    assert said.groups() == (
+        f"{cfg.tokenizer.vocab_size:,}", str(model.dim), str(model.n_layers), str(model.n_heads), str(model.n_kv_heads),
+        f"{n / 1e6:.2f}", str(cfg.train.max_steps), str(cfg.train.global_batch_tokens // cfg.train.seq_len),
+        str(cfg.train.seq_len),
+    )
+    assert model.tie_embeddings
+    assert BASELINE["seeds"][0] == cfg.run.seed  # "its first seed (1337, the recipe's own)"
+
+
+def test_the_val_loss_table_is_the_baselines_first_seed():
+    """The table is `seed0.val_loss` of the committed baseline, rounded to 3 decimals, and the
+    sentence after it is their ratio: regenerate both when the baseline is regenerated."""
+    steps, losses = readme.table_after(f"The validation loss of its first seed ({BASELINE['seeds'][0]},")
+    series = BASELINE["seed0"]["val_loss"]
+    assert steps == ["step"] + [str(step) for step, _ in series]
+    assert losses == ["val_loss"] + [f"{loss:.3f}" for _, loss in series]
+    first, last = series[0][1], series[-1][1]
+    assert f"({last:.3f} is {last / first:.2f} of the step-0 loss.)" in readme.readme()
+
+
+def test_the_default_recipes_speed_is_the_baselines():
+    """The speed the README gives is the baseline's (5 seeds, the machine the file names), and
+    the minutes are its tokens over that speed; no other timing of the default recipe is shown."""
+    rate, env = BASELINE["tokens_per_s"], BASELINE["environment"]
+    minutes = BASELINE["tokens"] / rate["mean"] / 60
+    sentence = (f"{len(BASELINE['seeds'])} seeds on {env['torch_threads']} threads of an {env['devices'][0]}) "
+                f"trained at {rate['mean']:,.0f} tokens/s (sd {rate['sd']:,.0f} over the seeds), so the "
+                f"{BASELINE['steps']} steps' {BASELINE['tokens']:,} tokens take {minutes:.1f} minutes")
+    text, _ = readme.section("## The embedded default, as it ran here")
+    assert sentence in " ".join(text.split()), sentence
+
+
+def test_the_perturbed_verify_block_shows_the_baselines_columns():
+    """Of `trainbook verify ... optim.lr=2e-2 --steps 20`'s output, what comes from the baseline:
+    the first seed's loss, the band, the sd the distance is counted in, the baseline's lr and
+    peak memory. (The run's own numbers come from the run: tests/e2e/test_recipe_book.py runs it.)"""
+    block = readme.block_after("A perturbed learning rate, as it printed here")
+    text = block.text
+    point = next(p for p in BASELINE["points"]["loss"] if p["step"] == 20)
+    seed0 = dict(BASELINE["seed0"]["loss"])[20]
+    row = re.search(r"^\s+20\s+loss\s+(\S+)\s+(\S+)\s+(\S+) \.\. (\S+)\s+out of band \(([+-][\d.]+) sd", text, flags=re.M)
+    assert row, text
+    this_run, shown_seed0, lo, hi, sd = row.groups()
+    assert (shown_seed0, lo, hi) == (f"{seed0:.5f}", f"{point['lo']:.5f}", f"{point['hi']:.5f}")
+    assert f"{(float(this_run) - (point['lo'] + point['hi']) / 2) / point['sd']:+.1f}" == sd
+    assert f"seed {BASELINE['seeds'][0]}" in text
+    assert f"judged within the band of {len(BASELINE['seeds'])} seeds (mean +- {BASELINE['k']:g} sd)" in text
+    assert f"optim.lr = 0.02 (baseline {BASELINE['config']['optim']['lr']:g})" in text
+    assert f"(baseline {BASELINE['mem_peak_bytes']['mean'] / 2**20:,.0f} MiB)" in text
+
+
+def test_the_block_machinery_reads_transcripts_and_compares_in_order():
+    """The machinery itself: a continued command is one command, its output follows it."""
+    block = readme.Block("", "$ a \\\n  b\nout\n$ c\n", 1)
+    assert readme.transcript(block) == [("a b", ["out"]), ("c", [])]
+    assert readme.missing_lines(["x 1.5", "...", "y"], "x 2.25\nz\ny\n", mask=True) == []
+    assert readme.missing_lines(["y", "x 1.5"], "x 2.25\ny\n", mask=True) == ["x 1.5"]  # order matters
