@@ -404,6 +404,9 @@ class MonitorConfig(Section):
     """Log to MLflow (`pip install trainbook[mlflow]`)."""
     mlflow_tracking_uri: str | None = None
     """MLflow tracking URI; unset: a local file store in `<run>/mlruns`."""
+    tracker_close_timeout_s: float = Field(default=60.0, gt=0)
+    """At the end of a run, how long W&B and MLflow may take to send what is still queued (they log
+    from a background thread, so a slow server never holds up a step); past it the rest is dropped."""
 
 
 class DiagnoseConfig(Section):

@@ -1,21 +1,21 @@
 """Where fired alerts go besides the run log and events.jsonl: a webhook and a command.
 
-Each destination is a sink whose `on_alert` only puts the alert's JSON on a queue; a background
-thread delivers it, so a slow or dead endpoint never blocks training. A destination that fails is
-logged once (a warning in the run log) and training goes on. At close each gets a bounded time to
-deliver what is queued or in flight (the last alert of a short run), then its thread stops.
+Each destination is a sink whose `on_alert` only puts the alert's JSON on the monitors' one kind
+of background queue (monitor/background.py); its thread delivers it, so a slow or dead endpoint
+never blocks training. A destination that fails is logged once (a warning in the run log) and
+training goes on. At close each gets a bounded time to deliver what is queued or
+in flight (the last alert of a short run), then its thread stops.
 """
 
 from __future__ import annotations
 
 import json
 import logging
-import queue
 import subprocess
-import threading
 import time
 import urllib.request
 
+from trainbook.monitor.background import Background
 from trainbook.monitor.report import Alert
 from trainbook.monitor.sinks import Sink
 
@@ -26,36 +26,27 @@ class DeliveryError(Exception):
     pass
 
 
-class Courier(Sink):
-    """Delivers each alert's JSON by `deliver` on a background thread; subclasses define it."""
+class Courier(Background, Sink):
+    """Delivers each alert's JSON by `deliver` on the background queue; subclasses define it.
+    Every alert is tried (a failure is logged once): the next one may get through."""
 
-    key = ""  # the config key, named in the warning
+    key = ""  # the config key under `alerts.`, named in the warning
     retries = 0
-    drain_s = 5.0
+    what = "alerts"
 
     def __init__(self, logger: logging.Logger):
-        self.logger = logger
-        self._queue: queue.Queue[bytes | None] = queue.Queue(QUEUE_SIZE)
-        self._deadline: float | None = None  # set at close: monotonic time delivery gives up
-        self._failed = False
-        self._thread = threading.Thread(target=self._run, name=f"trainbook-{self.key}", daemon=True)
-        self._thread.start()
+        self.name = f"alerts.{self.key}"
+        self.size = QUEUE_SIZE
+        super().__init__(logger)
 
     def deliver(self, body: bytes) -> None:
         """Send one alert; raise DeliveryError (or OSError) when it did not arrive."""
         raise NotImplementedError
 
     def on_alert(self, alert: Alert) -> None:
-        try:
-            self._queue.put_nowait(json.dumps(alert.payload()).encode())
-        except queue.Full:
-            self._warn_once(f"{QUEUE_SIZE} alerts are waiting; alert {alert.rule} at step {alert.step} dropped")
+        self.submit(json.dumps(alert.payload()).encode(), f"alert {alert.rule} at step {alert.step}")
 
-    def _run(self) -> None:
-        while (body := self._queue.get()) is not None:
-            self._send(body)
-
-    def _send(self, body: bytes) -> None:
+    def handle(self, body: bytes) -> None:
         """`deliver`, retried with exponential backoff (0.5 s, 1 s, 2 s, ...), within the drain deadline."""
         for attempt in range(self.retries + 1):
             try:
@@ -64,29 +55,10 @@ class Courier(Sink):
             except (DeliveryError, OSError, subprocess.SubprocessError) as e:
                 error = e
             delay = 0.5 * 2**attempt
-            if attempt == self.retries or self._past_deadline(delay):
+            if attempt == self.retries or self.past_deadline(delay):
                 break
             time.sleep(delay)
-        self._warn_once(f"delivery failed after {attempt + 1} tries: {error}")
-
-    def _past_deadline(self, delay: float) -> bool:
-        return self._deadline is not None and time.monotonic() + delay > self._deadline
-
-    def _warn_once(self, text: str) -> None:
-        if not self._failed:
-            self._failed = True
-            self.logger.warning(f"alerts.{self.key}: {text}; training goes on, further failures are not logged")
-
-    def close(self) -> None:
-        self._deadline = time.monotonic() + self.drain_s
-        try:
-            self._queue.put(None, timeout=self.drain_s)
-        except queue.Full:
-            pass
-        self._thread.join(max(0.0, self._deadline - time.monotonic()))
-        if self._thread.is_alive():
-            # Still in flight: the thread is a daemon and dies with the process.
-            self._warn_once(f"alerts still undelivered after {self.drain_s:g} s at the end of the run")
+        self.warn_once(f"delivery failed after {attempt + 1} tries: {error}")
 
 
 class Webhook(Courier):
