@@ -2,11 +2,14 @@
 
 import json
 import re
+import shutil
 from pathlib import Path
 
 import pytest
 
 from tests.conftest import run_cli, run_cli_error, write_corpus, write_recipe
+
+pytestmark = pytest.mark.slow
 
 
 def _train(run_dir: Path) -> list[dict]:
@@ -58,9 +61,16 @@ def test_a_slow_source_is_data_bound_with_the_data_wait_share(recipe):
     assert "trainbook bench data" in out and "playbook: README.md" in out
 
 
-def test_a_killed_run_died_after_its_step(recipe):
+@pytest.fixture(scope="module")
+def killed(recipe) -> Path:
+    """A run SIGKILLed between steps 3 and 4 (the died verdict; the renamed-key cases copy it)."""
     run_dir, done = _run(recipe, "killed", env={"TRAINBOOK_FAULT": "train.after_step@3"})
-    assert done.returncode != 0
+    assert done.returncode == -9, done.stderr
+    return run_dir
+
+
+def test_a_killed_run_died_after_its_step(killed):
+    run_dir = killed
     code, out = _doctor(run_dir)
     assert code == 1, out
     assert out.splitlines()[0] == ("died: the process was killed between steps, after step 3's record "
@@ -81,3 +91,42 @@ def test_a_rank_with_a_slow_source_is_the_straggler(recipe):
 def test_not_a_run_directory_is_one_line(tmp_path):
     line = run_cli_error("doctor", str(tmp_path), cwd=tmp_path)
     assert line == f"trainbook: error: {tmp_path}: not a run directory (no config.resolved.toml)"
+
+
+def _renamed(run_dir: Path, copy: Path, file: str, key: str) -> Path:
+    """A copy of a real run directory in which one key of `file` is renamed (every JSON line of it)."""
+    shutil.copytree(run_dir, copy)
+    lines = (copy / file).read_text().splitlines()
+    records = [json.loads(line) for line in lines]
+    for r in records:
+        r[f"{key}_renamed"] = r.pop(key)
+    (copy / file).write_text("".join(json.dumps(r) + "\n" for r in records))
+    return copy
+
+
+def test_a_run_that_raises_failed_and_its_checkpoints_bound_it(recipe):
+    # A real Python error at the first batch of step 6; a synchronous save after every step.
+    run_dir, done = _run(recipe, "raises", "checkpoint.interval_steps=1", "checkpoint.keep_last=2",
+                         env={"TRAINBOOK_FAULT": "data.next_batch@6", "TRAINBOOK_FAULT_ACTION": "raise"})
+    assert done.returncode == 1, done.stderr
+    code, out = _doctor(run_dir)
+    assert code == 1, out
+    assert out.splitlines()[0] == ("failed: the run stopped with an error at step 5: RuntimeError: fault "
+                                   "injected at data.next_batch (step 6)"), out
+    assert "health.json: step 6, phase data, pid " in out and "last train record: step 5 of 8" in out, out
+    assert "newest checkpoint: checkpoints/step-5 (a resume starts there)" in out, out
+    # How the time went comes after the failure: the saves block more than their share.
+    assert re.search(r"\ncheckpoint-bound: checkpoint blocking \d+% of step time\n", out), out
+    assert "next: checkpoint.mode=async, or a longer checkpoint.interval_steps" in out
+
+
+def test_a_renamed_key_in_a_real_run_is_one_line_naming_file_and_key(killed, tmp_path):
+    run_dir = killed
+    health = _renamed(run_dir, tmp_path / "health", "health.json", "phase")
+    line = run_cli_error("doctor", str(health), cwd=tmp_path / "health")
+    assert line == (f"trainbook: error: {health / 'health.json'}: phase: missing (written by another version of "
+                    "trainbook, or damaged): doctor cannot judge the run without it"), line
+    metrics = _renamed(run_dir, tmp_path / "metrics", "metrics.jsonl", "step_time_s")
+    line = run_cli_error("doctor", str(metrics), cwd=tmp_path / "metrics")
+    assert line.startswith(f"trainbook: error: {metrics / 'metrics.jsonl'} (train record of step 1): step_time_s: "
+                           "missing "), line

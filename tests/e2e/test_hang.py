@@ -81,6 +81,15 @@ def test_rank_sleeping_in_data_loading_is_named_with_its_stacks(recipe, tmp_path
     assert worker_exits(done.stderr) == {0: 4, 1: 4}, done.stderr
     assert seconds < HANG_TIMEOUT_S + 45, seconds
 
+    # `trainbook doctor` on the directory this real hang left: the verdict, who waits, the stacks.
+    doctor = run_cli("doctor", str(run_dir))
+    assert doctor.returncode == 1 and "Traceback" not in doctor.stderr, doctor.stderr
+    out = doctor.stdout
+    assert out.splitlines()[0] == f"hang: {verdict['verdict']}", out
+    assert f"hang/verdict.json: step 3, collective {verdict['collective']} #{verdict['seq']}, waiting: ranks [0]" in out
+    assert re.search(r"stuck: rank 1 on \S+ in step 3, phase data \(stacks: hang/rank1.txt\)", out), out
+    assert "next: read the stuck rank's stacks (hang/rank1.txt) and its log" in out
+
 
 def test_stopped_rank_is_named_from_its_last_record_and_killed(recipe, tmp_path):
     run_dir = tmp_path / "stopped"

@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import prepared_recipe, run_cli
+from trainbook.sizes import human
 
 BREAKDOWN_KEYS = {"step", "rank", "phase", "block", "device", "error", "requested_bytes", "measured", "plan",
                   "alternatives", "considered", "snapshot", "verdict"}
@@ -73,6 +74,16 @@ def test_an_allocation_that_fails_in_a_block_is_diagnosed(recipe, tmp_path):
     assert len(oom) == 1 and oom[0]["breakdown"] == "oom/breakdown.json" and oom[0]["verdict"] == breakdown["verdict"]
     end = _events(run_dir)[-1]
     assert end["kind"] == "end" and end["status"] == "failed" and end["error"].startswith("DiagnosedFailure: out of memory")
+
+    # `trainbook doctor` on the directory this real failure left: the oom verdict, the run's own numbers.
+    doctor = run_cli("doctor", str(run_dir))
+    assert doctor.returncode == 1 and "Traceback" not in doctor.stderr, doctor.stderr
+    out = doctor.stdout
+    assert out.splitlines()[0] == f"oom: {breakdown['verdict']}", out
+    assert "events.jsonl: out of memory in step 3, phase forward" in out
+    assert f"oom/breakdown.json measured on cpu: parameters {human(m['parameters'])}, " in out, out
+    assert "fits by the plan's estimate (" in out and "next: rerun with train.activation_checkpoint=selective" in out
+    assert "playbook: README.md > Playbooks > Out of memory" in out
 
 
 def test_one_rank_out_of_memory_ends_the_whole_run(recipe, tmp_path):

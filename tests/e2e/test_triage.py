@@ -105,6 +105,16 @@ def test_nan_in_block_k_is_located_there_and_stops_the_run(recipe, tmp_path, blo
     assert _events(run_dir, "end")[0]["status"] == "failed"
     assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["latest", "step-2"]
 
+    # `trainbook doctor` on the directory this real NaN left: the incident's verdict and numbers.
+    doctor = run_cli("doctor", str(run_dir))
+    assert doctor.returncode == 1 and "Traceback" not in doctor.stderr, doctor.stderr
+    out = doctor.stdout
+    assert out.splitlines()[0] == f"nan/spike: {incident['verdict']}", out
+    assert (f"1 incident(s); first: nonfinite at step 4: loss is nan; first non-finite output: layers.{block} "
+            "(micro-batch 1 of 2, rank 0)") in out, out
+    assert f"incidents/step-4/incident.json: loss nan, lr {incident['lr']:g}, grad_norm nan" in out, out
+    assert "reproducible: the re-run of the step on the same batch failed again" in out
+
 
 def test_skip_leaves_the_weights_as_they_were(recipe, tmp_path, clean):
     run_dir = tmp_path / "skip"

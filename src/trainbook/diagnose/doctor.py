@@ -32,6 +32,7 @@ import statistics
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from trainbook.errors import TrainbookError
 from trainbook.monitor.archive import RunRecord
 from trainbook.sizes import human
 
@@ -39,6 +40,25 @@ DATA_SHARE = 0.20
 COMM_SHARE = 0.25
 CHECKPOINT_SHARE = 0.15
 STRAGGLER_SHARE = 0.20
+
+# What doctor reads of each file other modules write: the keys it needs. A record without one is
+# an error naming the file and the key (exit 2), never a `None` in the report. The writers:
+# monitor/health.py (health.json), diagnose/oom.py (oom/breakdown.json and the `oom` event),
+# diagnose/hang.py (hang/verdict.json, the `hang` event), diagnose/triage.py (incident.json, the
+# `incident` event), train/trainer.py (metrics.jsonl, the `end` and `rollback` events); a
+# doctor test judges the files real failures leave, so a writer that renames a key fails it.
+HEALTH_KEYS = ("state", "step", "phase", "pid", "host")
+BREAKDOWN_KEYS = ("step", "phase", "device", "measured", "alternatives", "verdict")
+ALTERNATIVE_KEYS = ("overrides", "estimate_bytes")
+HANG_KEYS = ("step", "collective", "seq", "waiting", "stuck", "verdict")
+STUCK_KEYS = ("rank", "host", "step", "phase", "stacks")
+INCIDENT_KEYS = ("step", "kind", "what", "located", "loss", "lr", "grad_norm", "loss_scale", "rerun", "verdict")
+EVENT_KEYS = {"oom": ("phase", "verdict"), "hang": ("verdict", "stuck_ranks"),
+              "incident": ("problem", "what", "located", "reproducible"),
+              "rollback": ("to_step", "skipped_batches", "skipped_samples"), "end": ("status",)}
+TRAIN_KEYS = ("step", "step_time_s", "phases")
+PHASE_KEYS = ("data", "forward", "backward", "grad_sync", "optimizer", "checkpoint", "eval")
+WAIT_KEYS = ("max", "min", "max_rank", "min_rank")
 
 # README sections (under "## Playbooks") each finding points at.
 PLAYBOOKS = {
@@ -77,10 +97,48 @@ class Evidence:
 
 
 def read_evidence(run: RunRecord) -> Evidence:
+    """The run's evidence, every record checked for the keys the rules read (a TrainbookError
+    naming the file and the key otherwise)."""
     path = run.path
-    incidents = [_json(p) for p in sorted(path.glob("incidents/step-*/incident.json"), key=_step_of_incident)]
-    return Evidence(run, health=_json(path / "health.json"), oom=_json(path / "oom" / "breakdown.json"),
-                    hang=_json(path / "hang" / "verdict.json"), incidents=[i for i in incidents if i])
+    for e in run.events:
+        if e.get("kind") in EVENT_KEYS:
+            need(e, EVENT_KEYS[e["kind"]] + ("step",) + (("error",) if e.get("status") == "failed" else ()),
+                 f"{path / 'events.jsonl'} ({e['kind']} event of step {e.get('step')})")
+    for r in run.train:
+        where = f"{path / 'metrics.jsonl'} (train record of step {r['step']})"
+        need(r, TRAIN_KEYS, where)
+        need(r["phases"], PHASE_KEYS, where, "phases.")
+        if r.get("ranks") is not None:  # null in a one-process run
+            need(r["ranks"], ("data_wait_s",), where, "ranks.")
+            need(r["ranks"]["data_wait_s"], WAIT_KEYS, where, "ranks.data_wait_s.")
+    if run.env:
+        need(run.env, ("device",), str(path / "env.json"))
+    need(run.config, ("train",), str(path / "config.resolved.toml"))
+    need(run.config["train"], ("profile_phases",), str(path / "config.resolved.toml"), "train.")
+    health = _json(path / "health.json", HEALTH_KEYS)
+    oom = _json(path / "oom" / "breakdown.json", BREAKDOWN_KEYS)
+    for a in oom["alternatives"] if oom else ():
+        need(a, ALTERNATIVE_KEYS, str(path / "oom" / "breakdown.json"), "alternatives[].")
+    hang = _json(path / "hang" / "verdict.json", HANG_KEYS)
+    for s in hang["stuck"] if hang else ():
+        need(s, STUCK_KEYS, str(path / "hang" / "verdict.json"), "stuck[].")
+    incidents = []
+    for p in sorted(path.glob("incidents/step-*/incident.json"), key=_step_of_incident):
+        incident = _json(p, INCIDENT_KEYS)
+        need(incident["rerun"], ("reproducible",), str(p), "rerun.")
+        incidents.append(incident)
+    return Evidence(run, health=health, oom=oom, hang=hang, incidents=incidents)
+
+
+def need(record, keys: tuple[str, ...], where: str, prefix: str = "") -> None:
+    """Every one of `keys` in `record` (a JSON object), or the one-line error naming the file
+    and the first key that is missing."""
+    if not isinstance(record, dict):
+        raise TrainbookError(f"{prefix.rstrip('.[]') or 'record'}: not a JSON object: {record!r:.60}", where=where)
+    for key in keys:
+        if key not in record:
+            raise TrainbookError(f"{prefix}{key}: missing (written by another version of trainbook, or "
+                                 "damaged): doctor cannot judge the run without it", where=where)
 
 
 def diagnose(ev: Evidence) -> list[Finding]:
@@ -108,18 +166,18 @@ def oom(ev: Evidence) -> Finding | None:
     if event is None and not ev.oom:
         return None
     b = ev.oom
-    step, phase = (event or b).get("step"), (event or b).get("phase")
+    step, phase = (event or b)["step"], (event or b)["phase"]
     evidence = [f"events.jsonl: out of memory in step {step}, phase {phase}"]
-    measured = b.get("measured") or {}
-    sizes = [f"{k} {_bytes(v)}" for k, v in measured.items() if isinstance(v, (int, float))]
-    if sizes:
-        evidence.append(f"oom/breakdown.json measured on {b.get('device', 'the device')}: " + ", ".join(sizes))
-    alternatives = [a for a in b.get("alternatives") or [] if a.get("overrides")]
+    alternatives = []
+    if b:
+        sizes = [f"{k} {_bytes(v)}" for k, v in b["measured"].items() if isinstance(v, (int, float))]
+        evidence.append(f"oom/breakdown.json measured on {b['device']}: " + ", ".join(sizes))
+        alternatives = [a for a in b["alternatives"] if a["overrides"]]
     for a in alternatives[:3]:
-        evidence.append(f"fits by the plan's estimate ({_bytes(a.get('estimate_bytes'))}): " + " ".join(a["overrides"]))
+        evidence.append(f"fits by the plan's estimate ({_bytes(a['estimate_bytes'])}): " + " ".join(a["overrides"]))
     fix = " ".join(alternatives[0]["overrides"]) if alternatives else "a smaller train.micro_batch_size"
-    return Finding("oom", (event or {}).get("verdict") or b.get("verdict") or f"out of memory in step {step}",
-                   evidence, f"rerun with {fix} (trainbook plan shows what each layout needs)", PLAYBOOKS["oom"])
+    return Finding("oom", (event or b)["verdict"], evidence,
+                   f"rerun with {fix} (trainbook plan shows what each layout needs)", PLAYBOOKS["oom"])
 
 
 def hang(ev: Evidence) -> Finding | None:
@@ -127,15 +185,17 @@ def hang(ev: Evidence) -> Finding | None:
     if event is None and not ev.hang:
         return None
     v = ev.hang
-    evidence = [f"hang/verdict.json: step {v.get('step', (event or {}).get('step'))}"
-                + (f", collective {v['collective']} #{v.get('seq')}" if v.get("collective") else "")
-                + (f", waiting: ranks {v['waiting']}" if v.get("waiting") else "")]
-    for s in v.get("stuck") or []:
-        evidence.append(f"stuck: rank {s.get('rank')} on {s.get('host')} in step {s.get('step')}, "
-                        f"phase {s.get('phase')} (stacks: {s.get('stacks')})")
-    stuck = (event or {}).get("stuck_ranks") or [s.get("rank") for s in v.get("stuck") or []]
-    return Finding("hang", (event or {}).get("verdict") or v.get("verdict") or "the ranks stopped making progress",
-                   evidence, f"read the stuck rank's stacks (hang/rank{stuck[0] if stuck else '<R>'}.txt) and its log",
+    if v:
+        evidence = [f"hang/verdict.json: step {v['step']}"
+                    + (f", collective {v['collective']} #{v['seq']}" if v["collective"] else "")
+                    + (f", waiting: ranks {v['waiting']}" if v["waiting"] else "")]
+        evidence += [f"stuck: rank {s['rank']} on {s['host']} in step {s['step']}, phase {s['phase']} "
+                     f"(stacks: {s['stacks']})" for s in v["stuck"]]
+    else:
+        evidence = [f"events.jsonl: hang in step {event['step']} (no hang/verdict.json)"]
+    stuck = event["stuck_ranks"] if event else [s["rank"] for s in v["stuck"]]
+    return Finding("hang", (event or v)["verdict"], evidence,
+                   f"read the stuck rank's stacks (hang/rank{stuck[0] if stuck else '<R>'}.txt) and its log",
                    PLAYBOOKS["hang"])
 
 
@@ -144,37 +204,38 @@ def nonfinite(ev: Evidence) -> Finding | None:
     events = [e for e in ev.run.events if e.get("kind") == "incident"]
     if not events and not ev.incidents:
         return None
-    first = ev.incidents[0] if ev.incidents else {}
-    event = events[0] if events else {}
-    step = first.get("step", event.get("step"))
-    kind = first.get("kind") or event.get("problem")
-    evidence = [f"{len(events) or len(ev.incidents)} incident(s); first: {kind} at step {step}: "
-                f"{first.get('what') or event.get('what')}; {first.get('located') or event.get('located')}"]
-    numbers = {k: first.get(k) for k in ("loss", "lr", "grad_norm", "loss_scale") if first.get(k) is not None}
-    if numbers:
+    if ev.incidents:
+        first = ev.incidents[0]
+        step, kind, what, located = first["step"], first["kind"], first["what"], first["located"]
+        reproducible, summary = first["rerun"]["reproducible"], first["verdict"]
+    else:  # the event alone (its incident directory is gone)
+        first = events[0]
+        step, kind, what, located = first["step"], first["problem"], first["what"], first["located"]
+        reproducible, summary = first["reproducible"], f"{kind} at step {step}"
+    evidence = [f"{len(events) or len(ev.incidents)} incident(s); first: {kind} at step {step}: {what}; {located}"]
+    if ev.incidents:
+        numbers = {k: first[k] for k in ("loss", "lr", "grad_norm", "loss_scale") if first[k] is not None}
         evidence.append(f"incidents/step-{step}/incident.json: " + ", ".join(
             f"{k} {v:g}" if isinstance(v, (int, float)) else f"{k} {v}" for k, v in numbers.items()))
-    reproducible = (first.get("rerun") or {}).get("reproducible", event.get("reproducible"))
-    if reproducible is not None:
-        evidence.append("reproducible: the re-run of the step on the same batch failed again (data or model state)"
-                        if reproducible else "transient: the re-run of the step on the same batch was clean")
+    evidence.append("reproducible: the re-run of the step on the same batch failed again (data or model state)"
+                    if reproducible else "transient: the re-run of the step on the same batch was clean")
     rollbacks = [e for e in ev.run.events if e.get("kind") == "rollback"]
     if rollbacks:
         r = rollbacks[-1]
-        evidence.append(f"rolled back at step {r.get('step')} to step {r.get('to_step')}, skipping "
-                        f"{r.get('skipped_batches')} batches (global samples {r['skipped_samples'][0]}-"
-                        f"{r['skipped_samples'][1] - 1})" if r.get("skipped_samples") else "")
-    return Finding("nan/spike", first.get("verdict") or f"{kind} at step {step}", [e for e in evidence if e],
+        start, end = r["skipped_samples"]
+        evidence.append(f"rolled back at step {r['step']} to step {r['to_step']}, skipping {r['skipped_batches']} "
+                        f"batches (global samples {start}-{end - 1})")
+    return Finding("nan/spike", summary, evidence,
                    f"inspect incidents/step-{step}/ (batch-dp*.json: the batch and its source documents); "
                    "see the [triage] policies", PLAYBOOKS["nan/spike"])
 
 
 def failed(ev: Evidence) -> Finding | None:
-    if ev.run.status != "failed":
+    end = _last_event(ev, "end")
+    if ev.run.status != "failed" or end is None:
         return None
-    end = _last_event(ev, "end") or {}
-    return Finding("failed", f"the run stopped with an error at step {end.get('step')}: {end.get('error')}",
-                   [f"events.jsonl: end status failed at step {end.get('step')}", *_last_position(ev)],
+    return Finding("failed", f"the run stopped with an error at step {end['step']}: {end['error']}",
+                   [f"events.jsonl: end status failed at step {end['step']}", *_last_position(ev)],
                    "read the error in the rank logs (logs/); resume with `trainbook run --run-dir RUN`")
 
 
@@ -182,9 +243,12 @@ def died(ev: Evidence) -> Finding | None:
     if ev.run.status != "died":
         return None
     h = ev.health
-    step = h.get("step", ev.run.steps)
-    where = (f"between steps, after step {step}'s record" if h.get("phase") == "idle"
-             else f"in step {step}, phase {h['phase']}" if h.get("phase") else f"after step {step}")
+    if h:
+        step = h["step"]
+        where = (f"between steps, after step {step}'s record" if h["phase"] == "idle"
+                 else f"in step {step}, phase {h['phase']}")
+    else:
+        where = f"after step {ev.run.steps}"
     return Finding("died", f"the process was killed {where} (no end marker, no live process)",
                    [*_last_position(ev), f"status: {ev.run.status_detail}"],
                    "look for the OOM killer or the scheduler (dmesg, the job log); then resume with "
@@ -194,8 +258,8 @@ def died(ev: Evidence) -> Finding | None:
 def _last_position(ev: Evidence) -> list[str]:
     lines = []
     if ev.health:
-        lines.append(f"health.json: step {ev.health.get('step')}, phase {ev.health.get('phase')}, "
-                     f"pid {ev.health.get('pid')} on {ev.health.get('host')}")
+        h = ev.health
+        lines.append(f"health.json: step {h['step']}, phase {h['phase']}, pid {h['pid']} on {h['host']}")
     if ev.run.train:
         lines.append(f"last train record: step {ev.run.train[-1]['step']} of {ev.run.max_steps}")
     if ev.run.checkpoints:
@@ -208,7 +272,7 @@ def _last_position(ev: Evidence) -> list[str]:
 
 def timing(ev: Evidence) -> list[Finding]:
     """How the time went: the problems by share (largest first), or `healthy` and its bound."""
-    records = [r for r in ev.run.train if isinstance(r.get("phases"), dict) and r.get("step_time_s")]
+    records = [r for r in ev.run.train if r["step_time_s"]]  # keys checked by read_evidence
     if not records:
         return [] if ev.run.status in ("died", "failed") else [
             Finding("healthy", "no train records to judge yet", ["metrics.jsonl holds no train line"])]
@@ -252,14 +316,14 @@ def time_shares(records: list[dict]) -> tuple[dict[str, float], float]:
         steps = r["step"] - previous if previous is not None else 1
         previous = r["step"]
         p = r["phases"]
-        once = {k: float(p.get(k) or 0.0) for k in ("checkpoint", "eval")}
+        once = {k: float(p[k]) for k in ("checkpoint", "eval")}
         inner = r["step_time_s"] - sum(once.values())
-        compute = sum(float(p.get(k) or 0.0) for k in ("forward", "backward", "optimizer"))
+        compute = sum(float(p[k]) for k in ("forward", "backward", "optimizer"))
         # What no phase claims (none, when the phases add up) counts as compute.
-        rest = max(0.0, inner - compute - float(p.get("data") or 0.0) - float(p.get("grad_sync") or 0.0))
+        rest = max(0.0, inner - compute - float(p["data"]) - float(p["grad_sync"]))
         sums["compute"] += (compute + rest) * steps
-        sums["data"] += float(p.get("data") or 0.0) * steps
-        sums["grad_sync"] += float(p.get("grad_sync") or 0.0) * steps
+        sums["data"] += float(p["data"]) * steps
+        sums["grad_sync"] += float(p["grad_sync"]) * steps
         for k, v in once.items():
             sums[k] += v
     total = sum(sums.values()) or 1e-12
@@ -272,8 +336,8 @@ def _bound(shares: dict[str, float], records: list[dict], evidence: list[str]) -
     if not over:
         return None
     _, key = max(over)
-    worst = max(records, key=lambda r: float(r["phases"].get(key) or 0.0) / r["step_time_s"])
-    seconds = float(worst["phases"].get(key) or 0.0)
+    worst = max(records, key=lambda r: float(r["phases"][key]) / r["step_time_s"])
+    seconds = float(worst["phases"][key])
     lines = [f"{_DESCRIPTIONS[key]}: {shares[key]:.0%} of the run's step time (threshold "
              f"{dict(data=DATA_SHARE, grad_sync=COMM_SHARE, checkpoint=CHECKPOINT_SHARE)[key]:.0%})",
              f"worst: step {worst['step']}, {seconds:.3f} s of {worst['step_time_s']:.3f} s "
@@ -286,8 +350,8 @@ def straggler(records: list[dict]) -> Finding | None:
     """One rank waits for its data much longer than the others, in most logged steps."""
     spreads = []
     for r in records:
-        wait = (r.get("ranks") or {}).get("data_wait_s")
-        if wait and r.get("step_time_s"):
+        wait = r["ranks"]["data_wait_s"] if r.get("ranks") is not None else None  # distributed runs only
+        if wait:
             spreads.append(((wait["max"] - wait["min"]) / r["step_time_s"], wait["max_rank"], wait["min_rank"], r))
     if not spreads:
         return None
@@ -320,8 +384,8 @@ def _steady(records: list[dict], max_steps: int | None) -> list[dict]:
 
 
 def _caveat(ev: Evidence) -> list[str]:
-    device = str(ev.run.env.get("device") or "")
-    profiled = (ev.run.config.get("train") or {}).get("profile_phases")
+    device = str(ev.run.env["device"]) if ev.run.env else ""  # keys checked by read_evidence
+    profiled = ev.run.config["train"]["profile_phases"]
     if device and not device.startswith("cpu") and not profiled:
         return [f"on {device} without train.profile_phases the phases are host-side: device work shows where the "
                 "host waits (often grad_sync); rerun with train.profile_phases=true before trusting the shares"]
@@ -336,12 +400,16 @@ def _last_event(ev: Evidence, kind: str) -> dict | None:
     return found[-1] if found else None
 
 
-def _json(path: Path) -> dict:
+def _json(path: Path, keys: tuple[str, ...]) -> dict:
+    """A JSON object file with `keys` ({} when the file does not exist: that failure left none)."""
+    if not path.is_file():
+        return {}
     try:
         value = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return {}
-    return value if isinstance(value, dict) else {}
+    except (OSError, ValueError) as e:
+        raise TrainbookError(f"not valid JSON: {e}", where=str(path)) from None
+    need(value, keys, str(path))
+    return value
 
 
 def _step_of_incident(path: Path) -> int:
