@@ -3,12 +3,14 @@ tutorial run as written, the output blocks compared with what the real commands 
 tables compared with the files they come from.
 
 A block is found by its section (the heading above it) or by a marker, a piece of the text just
-before it; output is compared line by line, exactly or with the numbers masked (`masked`), as
-each test states."""
+before it. A block written as a terminal session is split into its `$ command`s and what each
+printed (`transcript`); `assert_printed` holds such lines to what a test's own run printed, in
+order, exactly or with the numbers and run ids masked (`masked`), as each test states."""
 
 from __future__ import annotations
 
 import re
+import socket
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -18,6 +20,10 @@ README = Path(__file__).resolve().parent.parent / "README.md"
 _FENCE = re.compile(r"^(?P<indent> *)```(?P<lang>\w*)\n(?P<body>.*?)^(?P=indent)```", flags=re.S | re.M)
 _HEADING = re.compile(r"^(#{1,6}) (.+)$", flags=re.M)
 _NUMBER = re.compile(r"\d+(?:[.,]\d+)*")
+_RUN_ID = re.compile(r"\b\d{8}-\d{6}-[0-9a-f]{6}\b")
+
+README_HOST = "vm"
+"""The host name the README's transcripts were printed on (`host vm`, `on vm`)."""
 
 
 @dataclass(frozen=True)
@@ -115,15 +121,17 @@ def transcript(block: Block) -> list[tuple[str, list[str]]]:
 
 
 def masked(text: str) -> str:
-    """`text` with every number (digits with any `.` or `,` inside) replaced by `#`: the
-    normalisation for output whose figures vary from run to run and machine to machine."""
-    return _NUMBER.sub("#", text)
+    """`text` with every run directory's time and id (`20261202-021153-85b56e`) replaced by
+    `<run>` and every other number (digits with any `.` or `,` inside) by `#`: the normalisation
+    for output whose figures vary from run to run and machine to machine."""
+    return _NUMBER.sub("#", _RUN_ID.sub("<run>", text))
 
 
 def missing_lines(expected: list[str], output: str, *, mask: bool = False) -> list[str]:
     """The README lines `expected` that do not appear in `output` in the same order (other lines
-    may lie between them; a `...` line is the README saying so); with `mask`, numbers are
-    compared as `masked` writes them. An empty list means the README shows what was printed."""
+    may lie between them; a `...` line is the README saying so, and a line ending in `...` stands
+    for a printed line that begins with what comes before it); with `mask`, numbers are compared
+    as `masked` writes them. An empty list means the README shows what was printed."""
     norm = masked if mask else (lambda s: s)
     printed = [norm(line.rstrip()) for line in output.splitlines()]
     missing, at = [], 0
@@ -131,8 +139,52 @@ def missing_lines(expected: list[str], output: str, *, mask: bool = False) -> li
         if line.strip() == "...":
             continue
         want = norm(line.rstrip())
-        try:
-            at = printed.index(want, at) + 1
-        except ValueError:
+        cut = want.endswith("...")
+        want = want.removesuffix("...")
+        found = next((i for i in range(at, len(printed))
+                      if (printed[i].startswith(want) if cut else printed[i] == want)), None)
+        if found is None:
             missing.append(line)
+        else:
+            at = found + 1
     return missing
+
+
+def _is_status(command: str) -> bool:
+    return command.rstrip().endswith("echo $?")
+
+
+def shown(marker: str, command: str | None = None) -> list[str]:
+    """The lines of the block after `marker`; in a transcript, those printed under the first
+    `$ command` that starts with `command`, less the exit status an `; echo $?` printed."""
+    block = block_after(marker)
+    if command is None:
+        return block.lines()
+    cmd, out = next((c, o) for c, o in transcript(block) if c.startswith(command))
+    return out[:-1] if _is_status(cmd) and out else out
+
+
+def status(marker: str, command: str) -> int:
+    """The exit status the transcript after `marker` shows for `$ command ...`: printed by its
+    own `; echo $?` or by the `$ echo $?` after it."""
+    steps = transcript(block_after(marker))
+    i = next(i for i, (c, _) in enumerate(steps) if c.startswith(command))
+    if _is_status(steps[i][0]):
+        return int(steps[i][1][-1])
+    assert i + 1 < len(steps) and steps[i + 1][0] == "echo $?", f"README.md: no exit status shown for `{command}`"
+    return int(steps[i + 1][1][-1])
+
+
+def assert_printed(marker: str, output: str, *, command: str | None = None, mask: bool = False,
+                   replace: dict[str, str] | None = None) -> None:
+    """The README shows, in the block after `marker` (under `command` in a transcript), lines
+    that `output` printed, in order: exactly, or numbers aside with `mask`. `replace` maps what
+    this run printed to what the README wrote in its place (a run directory's path, say); the
+    host the README ran on is written `README_HOST`, and this machine's name is read as that."""
+    for printed, written in (replace or {}).items():
+        output = output.replace(printed, written)
+    host = re.escape(socket.gethostname())
+    out = re.sub(rf'(?<=host ){host}\b|(?<=on ){host}\b|(?<="host": "){host}(?=")', README_HOST, output)
+    missing = missing_lines(shown(marker, command), out, mask=mask)
+    assert not missing, (f"README.md:{block_after(marker).line}: the block after {marker!r} shows lines that were "
+                         "not printed:\n" + "\n".join(missing) + "\n--- printed:\n" + out[-3000:])

@@ -109,6 +109,17 @@ def test_the_default_recipes_speed_is_the_baselines():
     assert sentence in " ".join(text.split()), sentence
 
 
+def test_the_recipe_books_minutes_are_those_of_their_baselines():
+    """'~N minutes' in the recipe book is the recipe's steps at its baseline's tokens/s (on the
+    machine the baseline names), rounded: a figure the committed file gives, not a memory."""
+    rows = {row[0].strip("`"): row for row in readme.table_after("| recipe | world | what | figures |")[1:]}
+    for name in ("tiny-shakespeare", "classics-20m"):
+        base = json.loads((RECIPES / "baselines" / f"{name}.json").read_text())
+        train = base["config"]["train"]
+        minutes = train["max_steps"] * train["global_batch_tokens"] / base["tokens_per_s"]["mean"] / 60
+        assert f"~{minutes:.0f} minutes" in rows[name][2], (name, minutes, rows[name][2])
+
+
 def test_the_perturbed_verify_block_shows_the_baselines_columns():
     """Of `trainbook verify ... optim.lr=2e-2 --steps 20`'s output, what comes from the baseline:
     the first seed's loss, the band, the sd the distance is counted in, the baseline's lr and
@@ -134,3 +145,72 @@ def test_the_block_machinery_reads_transcripts_and_compares_in_order():
     assert readme.transcript(block) == [("a b", ["out"]), ("c", [])]
     assert readme.missing_lines(["x 1.5", "...", "y"], "x 2.25\nz\ny\n", mask=True) == []
     assert readme.missing_lines(["y", "x 1.5"], "x 2.25\ny\n", mask=True) == ["x 1.5"]  # order matters
+    assert readme.missing_lines(['{"a": 1, ...'], '{"a": 1, "b": 2}') == []  # a cut line: its beginning
+    assert readme.missing_lines(['{"a": 1, ...'], '{"a": 2, "b": 2}') == ['{"a": 1, ...']
+    assert readme.missing_lines(["x 1.5"], "x 2.25") == ["x 1.5"]  # numbers count unless masked
+    assert readme.masked("run: runs/x/20261202-021153-85b56e (20 of 900)") == "run: runs/x/<run> (# of #)"
+
+
+# Every fenced block of the README, by the start of its first line, and what it is:
+#   ("input", what): commands, recipes or layouts to type or read, not output;
+#   ("compared", test file): output the test produces with the real command (or reads from the
+#       committed file it comes from) and compares with the block, through tests/readme.py;
+#   ("printed", (test file, fragment)): what one run here printed; the test asserts the line
+#       holding `fragment` on its own run, but does not read the block;
+#   ("printed", None, why): what one run here printed, checked by nothing, and why.
+BLOCKS = {
+    "make run ": ("input", "the two make targets"),
+    "ROMEO:": ("printed", None, "needs the 900-step model; the README says so"),
+    "trainbook run [RECIPE]": ("input", "the command line's synopsis"),
+    "$ trainbook run recipes/mine.toml": ("compared", "tests/e2e/test_readme_output.py"),
+    "verify recipes/tiny-shakespeare.toml optim.lr=2e-2": ("compared", "tests/unit/test_readme.py"),
+    "runs/<run.name>/": ("input", "the run directory's layout"),
+    "trainbook report runs/": ("input", "commands"),
+    "trainbook run RECIPE monitor.prometheus_port": ("input", "commands"),
+    "$ TRAINBOOK_FAULT=data.slow_batch@4+": ("printed", ("tests/e2e/test_stragglers.py", "is the straggler for")),
+    '{"run": "tiny-shakespeare", "rank": 0, "rule": "stall"': ("input", "the alert JSON's format, an example"),
+    "trainbook run --run-dir runs/": ("input", "commands"),
+    "trainbook run RECIPE --nproc 4": ("input", "commands"),
+    "$ trainbook run train.micro_batch_size=8 --nproc 2": ("compared", "tests/e2e/test_readme_output.py"),
+    "[model]": ("input", "a recipe's section"),
+    "# my-recipe.toml": ("compared", "tests/e2e/test_tutorial.py"),
+    "trainbook check my-recipe.toml": ("compared", "tests/e2e/test_tutorial.py"),
+    "trainbook bench data my-recipe.toml": ("compared", "tests/e2e/test_tutorial.py"),
+    "TRAINBOOK_FAULT=train.after_step@5:r1:a0": ("compared", "tests/e2e/test_tutorial.py"),
+    "$ TRAINBOOK_FAULT=check.slow_matmul": ("compared", "tests/e2e/test_readme_output.py"),  # its `run` line
+    "$ trainbook doctor runs/slow": ("printed", ("tests/e2e/test_doctor.py", "data-bound: waiting for data")),
+    "straggler: rank 1 waits for its data": ("printed", ("tests/e2e/test_doctor.py", "waits for its data longer")),
+    "died: the process was killed": ("printed", ("tests/e2e/test_doctor.py", "died: the process was killed")),
+    "trainbook run RECIPE --nproc 8 --max-restarts": ("input", "commands"),
+    "restart 1: rank 1 (SIGKILL)": ("printed", ("tests/dist/test_elastic.py", "steps_lost")),
+    "trainbook: error: step 5 failed 3 times": ("printed", ("tests/dist/test_elastic.py", "failed 3 times in a row")),
+    '{"kind": "restart", "step": 4': ("printed", ("tests/dist/test_elastic.py", "steps_lost")),
+    "$ trainbook run unit.toml --nproc 2 parallel.hang_timeout_s=4": ("printed", ("tests/e2e/test_hang.py", "never reached it")),
+    "trainbook: error: rank 0 waits in all_gather": ("printed", ("tests/e2e/test_hang.py", "cannot speak")),
+    "$ trainbook run unit.toml checkpoint.interval_steps=2": ("printed", ("tests/e2e/test_triage.py", "first non-finite output")),
+    "triage: step 5: loss is nan": ("printed", ("tests/e2e/test_triage.py", "rolled back to checkpoint")),
+    "triage: step 18: loss": ("printed", ("tests/e2e/test_triage.py", "robust sigmas above its trend")),
+    "$ trainbook run unit.toml train.eval_every=0 --run-dir runs/unit/oom-demo": ("printed", ("tests/e2e/test_oom.py", "no layout makes it fit")),
+    '"measured": {"parameters"': ("printed", ("tests/e2e/test_oom.py", "alternatives")),
+    "peak memory grew": ("printed", ("tests/e2e/test_oom.py", "grows in phase")),
+    "make test ": ("input", "development commands"),
+}
+
+
+def test_every_block_of_the_readme_is_input_or_output_that_a_test_names():
+    """A new block of output needs its line above: compared by a test, or said to be what one
+    run printed (and which test asserts it on its own run, or why none does)."""
+    from tests.conftest import REPO
+
+    found = {}
+    for block in readme.blocks():
+        keys = [k for k in BLOCKS if block.text.startswith(k)]
+        assert len(keys) == 1, f"README.md:{block.line}: block {block.lines()[0][:60]!r} matches {keys} in BLOCKS"
+        found[keys[0]] = block
+    assert set(found) == set(BLOCKS), sorted(set(BLOCKS) - set(found))
+    for key, (kind, *detail) in BLOCKS.items():
+        if kind == "compared":
+            assert "from tests import readme" in (REPO / detail[0]).read_text(), (key, detail)
+        elif kind == "printed" and detail[0] is not None:
+            path, fragment = detail[0]
+            assert fragment in found[key].text and fragment in (REPO / path).read_text(), (key, path, fragment)
