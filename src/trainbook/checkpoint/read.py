@@ -1,5 +1,6 @@
 """Reading checkpoints: which one `latest` names, verifying a manifest, the newest valid one,
-and loading tensors into a state (never unpickling). Written by `store.py`."""
+and loading tensors into a state. `.metadata` (a pickle) is read only by `metadata.py`'s
+allow-list unpickler, so opening a checkpoint runs no code. Written by `store.py`."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from pathlib import Path
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
+from trainbook.checkpoint.metadata import SafeReader, read_metadata
 from trainbook.checkpoint.store import (
     LATEST, MANIFEST, InvalidCheckpoint, _no_dist, _single_process_ok, file_crc32, step_of,
 )
@@ -84,9 +86,9 @@ def tensor_entries(path: Path) -> dict[str, TensorStorageMetadata]:
     """DCP's flat key -> tensor metadata (global shape, dtype); refuses pickled entries."""
     if not (Path(path) / ".metadata").is_file():
         raise TrainbookError("not a trainbook checkpoint (no DCP .metadata)", where=str(path))
-    metadata = dcp.FileSystemReader(path).read_metadata()
+    metadata = read_metadata(Path(path) / ".metadata")
     for key, item in metadata.state_dict_metadata.items():
-        # trainbook checkpoints hold tensors only; DCP would unpickle any other object it finds.
+        # trainbook checkpoints hold tensors only; DCP would torch.load (unpickle) any other object.
         if not isinstance(item, TensorStorageMetadata):
             raise TrainbookError(f"holds a pickled object at {key!r}; refusing to unpickle it", where=str(path))
     return dict(metadata.state_dict_metadata)
@@ -108,7 +110,8 @@ def load_state(path: Path, state: dict) -> None:
                 where=str(path),
             )
     with _single_process_ok():
-        dcp.load(state, checkpoint_id=path, no_dist=_no_dist())
+        # DCP reads .metadata again itself: through the same allow-list.
+        dcp.load(state, storage_reader=SafeReader(path), no_dist=_no_dist())
 
 
 def locate(target: Path) -> tuple[Path, Path]:
