@@ -11,6 +11,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 import urllib.request
 from pathlib import Path
@@ -18,7 +19,9 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import files_under, run_cli, run_cli_error, write_corpus, write_recipe
+from tests.mlflow_server import MlflowServer
 from tests.wandb_log import wandb_history, wandb_records
+from trainbook.monitor.trackers import tracker_run_id
 
 pytestmark = pytest.mark.slow
 
@@ -109,6 +112,110 @@ def test_mlflow_store_holds_the_metrics(tracked_run):
     for tag, by_step in expected.items():
         got = {m.step: m.value for m in client.get_metric_history(run.info.run_id, tag)}
         assert got == by_step, tag
+
+
+def _run_log(run_dir: Path) -> str:
+    return "".join(p.read_text() for p in sorted((run_dir / "logs").glob("rank0-*.log")))
+
+
+def test_an_mlflow_server_that_holds_every_request_stalls_no_step(tmp_path, recipe):
+    release = threading.Event()
+    run_dir = tmp_path / "run"
+    with MlflowServer(hold=release) as server:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "trainbook", "run", str(recipe), "train.max_steps=4", "monitor.tensorboard=false",
+             "monitor.mlflow=true", f"monitor.mlflow_tracking_uri={server.uri}", "--run-dir", str(run_dir)],
+            cwd=tmp_path, env={**os.environ, "PYTHONUNBUFFERED": "1"}, stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE, text=True)
+        try:
+            # Synchronise on the run: its last record (the evaluation at step 4) is written while the
+            # server still holds the first request it got. The deadline only bounds a broken run.
+            metrics, deadline = run_dir / "metrics.jsonl", time.monotonic() + 240
+            while not (metrics.is_file() and '"kind": "eval", "step": 4' in metrics.read_text()):
+                assert proc.poll() is None, proc.stderr.read()
+                assert time.monotonic() < deadline, "the run never reached its last evaluation"
+                time.sleep(0.2)
+            assert server.requests == ["experiments/get-by-name"]
+        finally:
+            release.set()  # the server answers now: what the run queued goes out at its close
+            out, err = proc.communicate(timeout=240)
+        [run] = server.runs.values()
+    assert proc.returncode == 0, err
+    expected = expected_series(run_dir)
+    assert sorted(expected["train/loss"]) == [2, 4] and sorted(expected["val/loss"]) == [0, 3, 4]
+    got: dict[str, dict[int, float]] = {}
+    for key, step, value in run["metrics"]:
+        got.setdefault(key, {})[step] = value
+    for tag, by_step in expected.items():
+        assert got[tag] == by_step, tag
+    assert run["status"] == "FINISHED" and "monitor.mlflow" not in _run_log(run_dir)
+
+
+def test_an_mlflow_server_that_is_gone_is_one_line_and_the_run_goes_on(tmp_path, recipe):
+    port = free_port()  # nothing listens there
+    run_dir = tmp_path / "run"
+    # MLflow's own retries (7, with backoff) are the client's setting: none here, so it fails at once.
+    done = run_cli("run", str(recipe), "train.max_steps=4", "monitor.tensorboard=false", "monitor.mlflow=true",
+                   f"monitor.mlflow_tracking_uri=http://127.0.0.1:{port}", "--run-dir", str(run_dir), cwd=tmp_path,
+                   env={"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "0"})
+    assert done.returncode == 0, done.stderr
+    expected = expected_series(run_dir)
+    assert sorted(expected["train/loss"]) == [2, 4] and sorted(expected["val/loss"]) == [0, 3, 4]
+    log = _run_log(run_dir)
+    [line] = [line for line in log.splitlines() if " WARNING " in line or "monitor.mlflow" in line]
+    assert "WARNING monitor.mlflow: start failed, logging to it is off for the rest of the run: " in line
+    assert f"127.0.0.1:{port}" in line and "Traceback" not in log + done.stderr
+
+
+def _run_record(log: Path):
+    return next(r.run for r in wandb_records(log) if r.WhichOneof("record_type") == "run")
+
+
+def test_wandb_offline_after_a_kill_and_a_resume(tmp_path, recipe):
+    """What the README says W&B does offline: each attempt its own offline run under the one id,
+    marked as a resume; the killed attempt has no end and nothing past the kill (often nothing at
+    all: W&B had not written its buffered records to the file); the resumed one holds every record metrics.jsonl has after the checkpoint it resumed from, then its end."""
+    run_dir = tmp_path / "run"
+    steps = ("train.max_steps=8", "checkpoint.interval_steps=2", "log.every_steps=1", "monitor.tensorboard=false",
+             "monitor.wandb=true")
+    # Held after step 5 (step 4's checkpoint committed) until W&B, which starts on the background
+    # thread, has its file; then killed. The deadline only bounds a broken run.
+    reached = tmp_path / "reached"
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "WANDB_MODE": "offline", "TRAINBOOK_FAULT": "train.after_step@5",
+           "TRAINBOOK_FAULT_ACTION": "wait", "TRAINBOOK_FAULT_RELEASE": str(tmp_path / "never"),
+           "TRAINBOOK_FAULT_REACHED": str(reached)}
+    proc = subprocess.Popen([sys.executable, "-m", "trainbook", "run", str(recipe), *steps, "--run-dir", str(run_dir)],
+                            cwd=tmp_path, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 240
+        while not (reached.exists() and any((run_dir / "wandb").glob("offline-run-*/run-*.wandb"))):
+            assert proc.poll() is None, proc.stderr.read()
+            assert time.monotonic() < deadline, "the run never reached step 5 with W&B started"
+            time.sleep(0.2)
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+        proc.stderr.close()
+    resumed = run_cli("run", "--run-dir", str(run_dir), cwd=tmp_path, env={"WANDB_MODE": "offline"})
+    assert resumed.returncode == 0, resumed.stderr
+    # Named offline-run-<start time>-<id>, then -1, -2 within one second: they sort in start order.
+    killed_dir, resumed_dir = sorted((run_dir / "wandb").glob(f"offline-run-*-{tracker_run_id(run_dir)}*"))
+    [second] = resumed_dir.glob("run-*.wandb")
+    for log in [*killed_dir.glob("run-*.wandb"), second]:
+        record = _run_record(log) if log.stat().st_size > 7 else None  # 7 bytes: the header alone
+        assert record is None or (record.run_id == tracker_run_id(run_dir) and record.resume), record
+        if log != second:
+            before = list(wandb_records(log))
+            assert "exit" not in {r.WhichOneof("record_type") for r in before}
+            assert {r.history.step.num for r in before if r.WhichOneof("record_type") == "history"} <= set(range(6))
+    assert _run_record(second).resume
+    got = wandb_history(second)
+    for tag, by_step in expected_series(run_dir).items():
+        assert {s: v for s, v in got.get(tag, {}).items() if s > 4} == {s: v for s, v in by_step.items() if s > 4}, tag
+    *_, last = wandb_records(second)
+    assert last.WhichOneof("record_type") == "exit" and last.exit.exit_code == 0, last
+    assert (f"monitor.wandb: offline, this attempt writes a new W&B run directory beside 1 of earlier attempts "
+            f"(the same run id); `wandb sync {run_dir / 'wandb'}` uploads them as one run") in _run_log(run_dir)
 
 
 # ---- Prometheus --------------------------------------------------------------------------------

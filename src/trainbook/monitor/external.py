@@ -50,11 +50,8 @@ def external_sinks(info: RunInfo, log: LogConfig, monitor: MonitorConfig) -> lis
         sinks.append(PrometheusSink(monitor.prometheus_host, monitor.prometheus_port, info.run_name, info.rank))
     logger = logging.getLogger(LOGGER_NAME)  # the run's logger (monitor/logs.py)
     if monitor.wandb:
-        from trainbook.monitor.trackers import WandbSink
-
-        sinks.append(Tracked("monitor.wandb", lambda: WandbSink(
-            info.run_dir, monitor.wandb_project or info.run_name, info.run_dir.name, log.every_steps,
-            info.max_steps), monitor.tracker_close_timeout_s, logger))
+        sinks.append(Tracked("monitor.wandb", lambda: _wandb(info, log, monitor, logger),
+                             monitor.tracker_close_timeout_s, logger))
     if monitor.mlflow:
         from trainbook.monitor.trackers import MlflowSink
 
@@ -62,6 +59,27 @@ def external_sinks(info: RunInfo, log: LogConfig, monitor: MonitorConfig) -> lis
             info.run_dir, monitor.mlflow_tracking_uri, info.run_name, info.run_dir.name, log.every_steps,
             info.max_steps), monitor.tracker_close_timeout_s, logger))
     return sinks
+
+
+def _wandb(info: RunInfo, log: LogConfig, monitor: MonitorConfig, logger: logging.Logger) -> Sink:
+    """The W&B sink; offline, a resumed run's log line says where each attempt's records are.
+
+    W&B ignores `resume` offline: every attempt writes its own `offline-run-<time>-<id>[-N]`
+    directory under the run's one id, marked as a resume, and `wandb sync` uploads those of one id
+    in the order they started, into one W&B run. An attempt that was killed (SIGKILL, OOM killer)
+    holds only what W&B's service had written to the file before: often nothing.
+    """
+    from trainbook.monitor.trackers import WandbSink, tracker_run_id
+
+    earlier = sorted((info.run_dir / "wandb").glob(f"offline-run-*-{tracker_run_id(info.run_dir)}*"))
+    sink = WandbSink(info.run_dir, monitor.wandb_project or info.run_name, info.run_dir.name, log.every_steps,
+                     info.max_steps)
+    if earlier and sink.offline:
+        logger.info(f"monitor.wandb: offline, this attempt writes a new W&B run directory beside "
+                    f"{len(earlier)} of earlier attempts (the same run id); `wandb sync "
+                    f"{info.run_dir / 'wandb'}` uploads them as one run, a killed attempt's only as far "
+                    f"as W&B had written it")
+    return sink
 
 
 class Tracked(Background, Sink):

@@ -61,6 +61,7 @@ class WandbSink(TrackerSink):
         super().__init__(every_steps, max_steps)
         # Offline unless the user chose otherwise: nothing leaves the machine by default.
         mode = os.environ.get("WANDB_MODE") or "offline"
+        self.offline = mode == "offline"
         self._run = wandb.init(
             project=project, name=name, id=tracker_run_id(run_dir), resume="allow", dir=str(run_dir),
             mode=mode, settings=wandb.Settings(console="off", silent=True),
