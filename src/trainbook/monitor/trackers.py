@@ -2,8 +2,9 @@
 
 Both log the same scalars as TensorBoard (monitor/scalars.py) at the logging cadence, every
 evaluation and every per-layer statistics step, and both keep one tracker run per trainbook run:
-the tracker's run id is derived from the run directory, so a resumed run continues it. They are
-imported only when switched on; the pre-flight (`check_installed`) has already said, in one
+the tracker's run id is derived from the run directory, so a resumed run continues it (offline,
+W&B writes one directory per attempt under that id, which `wandb sync` joins: monitor/external.py).
+They run behind the background queue there. They are imported only when switched on; the pre-flight (`check_installed`) has already said, in one
 line, which pip command installs a missing one.
 
 W&B is offline unless `WANDB_MODE` says otherwise: it writes `<run>/wandb/offline-run-*/`, which
