@@ -174,7 +174,8 @@ def _run_record(log: Path):
 def test_wandb_offline_after_a_kill_and_a_resume(tmp_path, recipe):
     """What the README says W&B does offline: each attempt its own offline run under the one id,
     marked as a resume; the killed attempt has no end and nothing past the kill (often nothing at
-    all: W&B had not written its buffered records to the file); the resumed one holds every record metrics.jsonl has after the checkpoint it resumed from, then its end."""
+    all: W&B had not written its buffered records to the file); the resumed one holds every
+    record metrics.jsonl has after the checkpoint it resumed from, then its end."""
     run_dir = tmp_path / "run"
     steps = ("train.max_steps=8", "checkpoint.interval_steps=2", "log.every_steps=1", "monitor.tensorboard=false",
              "monitor.wandb=true")
