@@ -255,7 +255,7 @@ class AlertRules(Sink):
         key = max(excess, key=lambda k: excess[k][0] - excess[k][1])
         (mine, median), (where, label) = excess[key], STRAGGLER_WHERE[key]
         self._fire("straggler", late[rank], r.step,
-                   f"rank {rank} (host {t.hosts[rank]}) is the straggler for {runs} logging intervals: the others "
+                   f"rank {rank} (host {t.hosts[rank]}) is the straggler for {runs} probed intervals: the others "
                    f"wait {late[rank]:.3f} s a step for it; its time goes to {where} ({label} {mine:.3f} s vs "
                    f"median {median:.3f} s)", threshold=limit)
 

@@ -328,7 +328,7 @@ class Trainer:
         self.tracker.begin_step(self.step + 1)
         self.batches.begin()
         judge = (lambda loss, norm: self.triage.judge(loss, norm, lr)) if self.triage.enabled else None
-        probe = self.stragglers if self.stragglers is not None and self._logged(self.step + 1) else None
+        probe = self.stragglers if self._probed(self.step + 1) else None
         try:
             result = train_step(self.engine, self.optimizer, self.batches, self.accum_steps, self.cfg.optim.grad_clip,
                                 self.scaler, self.tracker, before_update=self._before_update,
@@ -430,6 +430,11 @@ class Trainer:
     def _logged(self, step: int) -> bool:
         return due(step, self.cfg.log.every_steps, self.cfg.train.last_step)
 
+    def _probed(self, step: int) -> bool:
+        """The straggler probes run on every `alerts.straggler_every`-th logged step (all ranks agree)."""
+        return (self.stragglers is not None and self._logged(step)
+                and (step // self.cfg.log.every_steps) % self.cfg.alerts.straggler_every == 0)
+
     def _gather(self, step_time: float, phases: dict[str, float], mem: int) -> dict:
         """At the logging cadence: every rank's step time, data wait and peak memory (`ranks`,
         when distributed), where its time went and how long it waited at the straggler probes
@@ -440,7 +445,7 @@ class Trainer:
         rows = self.delivered.take().tolist()
         if not self.rt.distributed:
             return {"data_mix": self.train_loader.mixture_share(np.array(rows))}
-        probed = self.stragglers.figures(phases) if self.stragglers is not None else []
+        probed = self.stragglers.figures(phases) if self._probed(self.step) else []
         table = self.rt.all_gather_floats([step_time, phases["data"], float(mem), *probed, *rows])
         # Every rank of a data-parallel replica (its tp, cp and pp ranks) took the replica's rows.
         replica = self.rt.world_size // self.rt.dims.dp

@@ -38,7 +38,7 @@ def test_third_late_interval_in_a_row_names_the_rank_its_host_and_compute():
     for step in (1, 2, 3):
         alerts.on_step(report(step, 2, wait_compute=0.3, compute=0.7))
     assert [(a.rule, a.step) for a in fired] == [("straggler", 3)]
-    assert fired[0].message == ("rank 2 (host node2) is the straggler for 3 logging intervals: the others wait "
+    assert fired[0].message == ("rank 2 (host node2) is the straggler for 3 probed intervals: the others wait "
                                 "0.300 s a step for it; its time goes to compute (forward + backward + optimizer "
                                 "0.700 s vs median 0.400 s)")
     assert fired[0].value == 0.3 and fired[0].threshold == 0.2  # straggler_frac x the 1 s step
@@ -49,7 +49,7 @@ def test_late_in_communication_and_fired_again_without_a_repeat_limit():
     for step in (1, 2, 3, 4):
         alerts.on_step(report(step, 1, wait_data=0.3, comm=0.4))
     assert [a.step for a in fired] == [3, 4]
-    assert "for 4 logging intervals" in fired[1].message
+    assert "for 4 probed intervals" in fired[1].message
     assert fired[1].message.endswith("its time goes to communication (exposed communication 0.400 s vs median "
                                      "0.050 s)")
 
