@@ -6,6 +6,7 @@ import os
 import re
 import subprocess
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -66,13 +67,38 @@ def write_corpus(root: Path) -> Path:
     return root
 
 
+@dataclass(frozen=True)
+class DebugData:
+    """The debug corpus and the cache holding its prepared tokens (tokenizer and shards)."""
+
+    corpus: Path
+    cache: Path
+
+
+@pytest.fixture(scope="session")
+def debug_data(tmp_path_factory) -> DebugData:
+    """One debug corpus for the session, prepared once: every debug recipe over it with the
+    default data and tokenizer settings finds its tokens in this cache instead of training a
+    tokenizer again. Tests must not change it (checked when the session ends): a test that needs
+    other files writes its own corpus."""
+    root = tmp_path_factory.mktemp("debug-data")
+    data = DebugData(write_corpus(root / "corpus"), root / "cache")
+    done = run_cli("prepare", str(write_recipe(root / "unit.toml", data.corpus, cache_dir=data.cache)))
+    assert done.returncode == 0, done.stderr
+    before = files_under(data.corpus)
+    yield data
+    assert files_under(data.corpus) == before, "a test changed the shared debug corpus"
+
+
 @pytest.fixture
-def corpus(tmp_path: Path) -> Path:
-    return write_corpus(tmp_path / "corpus")
+def corpus(debug_data: DebugData) -> Path:
+    """The session's debug corpus (read only: write your own with `write_corpus` to change it)."""
+    return debug_data.corpus
 
 
-def write_recipe(path: Path, corpus: Path, *, extra: str = "") -> Path:
-    """A debug-sized recipe over `corpus` that trains in seconds."""
+def write_recipe(path: Path, corpus: Path, *, extra: str = "", cache_dir: Path | None = None) -> Path:
+    """A debug-sized recipe over `corpus` that trains in seconds; its data cache is `cache_dir`
+    (default: `cache` beside the recipe)."""
     path.write_text(f"""
 [run]
 name = "unit"
@@ -85,7 +111,7 @@ name = "plays"
 paths = ["{corpus}/*.txt"]
 
 [data]
-cache_dir = "{path.parent / 'cache'}"
+cache_dir = "{cache_dir or path.parent / 'cache'}"
 val_fraction = 0.2
 
 [tokenizer]
@@ -113,8 +139,11 @@ every_steps = 2
     return path
 
 
-def prepared_recipe(tmp: Path) -> Path:
-    """The debug recipe over a new corpus in `tmp`, its data prepared: a module's runs share it."""
+def prepared_recipe(tmp: Path, data: DebugData | None = None) -> Path:
+    """The debug recipe in `tmp`, its data prepared: over the session's `data` when given, else
+    over a new corpus in `tmp` (a module's runs share it)."""
+    if data is not None:
+        return write_recipe(tmp / "unit.toml", data.corpus, cache_dir=data.cache)
     recipe = write_recipe(tmp / "unit.toml", write_corpus(tmp / "corpus"))
     done = run_cli("prepare", str(recipe))
     assert done.returncode == 0, done.stderr
@@ -131,8 +160,9 @@ def shakespeare_cache(tmp_path_factory) -> Path:
 
 
 @pytest.fixture
-def recipe(tmp_path: Path, corpus: Path) -> Path:
-    return write_recipe(tmp_path / "unit.toml", corpus)
+def recipe(tmp_path: Path, debug_data: DebugData) -> Path:
+    """The debug recipe in a new folder, over the session's prepared debug data."""
+    return write_recipe(tmp_path / "unit.toml", debug_data.corpus, cache_dir=debug_data.cache)
 
 
 def run_cli(

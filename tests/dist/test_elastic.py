@@ -33,8 +33,8 @@ STEPS = ["train.max_steps=12", "checkpoint.interval_steps=2", "log.every_steps=1
 
 
 @pytest.fixture(scope="module")
-def recipe(tmp_path_factory) -> Path:
-    return prepared_recipe(tmp_path_factory.mktemp("elastic"))
+def recipe(tmp_path_factory, debug_data) -> Path:
+    return prepared_recipe(tmp_path_factory.mktemp("elastic"), debug_data)
 
 
 def _run(recipe: Path, run_dir: Path, *args: str, env: dict | None = None) -> subprocess.CompletedProcess:

@@ -11,14 +11,12 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import run_cli, write_corpus, write_recipe
+from tests.conftest import prepared_recipe, run_cli
 
 
 @pytest.fixture(scope="module")
-def recipe(tmp_path_factory) -> Path:
-    tmp = tmp_path_factory.mktemp("launch")
-    corpus = write_corpus(tmp / "corpus")
-    return write_recipe(tmp / "unit.toml", corpus)
+def recipe(tmp_path_factory, debug_data) -> Path:
+    return prepared_recipe(tmp_path_factory.mktemp("launch"), debug_data)
 
 
 BAD_LAYOUTS = [  # (arguments, what the one line must say); the debug model: 2 layers, 4 heads, 2 KV heads

@@ -44,7 +44,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.conftest import run_cli, write_corpus, write_recipe
+from tests.conftest import DebugData, run_cli, write_recipe
 from trainbook.checkpoint import load_state, tensor_entries
 
 COMMON = ["model.name=tiny", "train.max_steps=20", "train.micro_batch_size=2", "train.eval_every=10",
@@ -134,9 +134,8 @@ def _layer_differences(got: dict[int, dict], expected: dict[int, dict]) -> dict[
 class Baselines:
     """Single-process runs of the recipe (with and without clipping), made once each and shared."""
 
-    def __init__(self, tmp: Path):
-        corpus = write_corpus(tmp / "corpus")
-        self.recipe = write_recipe(tmp / "unit.toml", corpus)
+    def __init__(self, tmp: Path, data: DebugData):
+        self.recipe = write_recipe(tmp / "unit.toml", data.corpus, cache_dir=data.cache)
         self._runs: dict[bool, tuple[dict, dict]] = {}
 
     def run_dir(self, clip: bool = True) -> Path:
@@ -153,8 +152,8 @@ class Baselines:
 
 
 @pytest.fixture(scope="module")
-def baselines(tmp_path_factory):
-    return Baselines(tmp_path_factory.mktemp("layouts"))
+def baselines(tmp_path_factory, debug_data):
+    return Baselines(tmp_path_factory.mktemp("layouts"), debug_data)
 
 
 def _run(baselines: Baselines, nproc: int, overrides: list[str], run_dir: Path, *extra: str):

@@ -33,9 +33,9 @@ LEARNS_FAST = ("optim.lr=3e-3", "schedule.kind=constant", "alerts.window=8", "al
 
 
 @pytest.fixture(scope="module")
-def recipe(tmp_path_factory) -> Path:
-    """The debug recipe with its data prepared once for every run in this module."""
-    return prepared_recipe(tmp_path_factory.mktemp("alerts"))
+def recipe(tmp_path_factory, debug_data) -> Path:
+    """The debug recipe over the session's prepared data, for every run in this module."""
+    return prepared_recipe(tmp_path_factory.mktemp("alerts"), debug_data)
 
 
 def _run(recipe: Path, run_dir: Path, *overrides: str, fault: str | None = None, **env: str):

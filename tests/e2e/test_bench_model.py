@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from tests.conftest import run_cli, run_cli_error, write_corpus, write_recipe
+from tests.conftest import run_cli, run_cli_error, write_recipe
 from trainbook.model import build_model, num_params, resolve
 from trainbook.config import ModelConfig
 from trainbook.monitor.flops import model_flops_per_token
@@ -40,7 +40,6 @@ def test_bench_model_reports_rate_mfu_split_and_memory_without_data(tmp_path):
     assert "forward" in text and "plan estimates" in text
 
 
-def test_bench_model_refuses_bad_input_in_one_line(tmp_path):
-    recipe = write_recipe(tmp_path / "unit.toml", write_corpus(tmp_path / "corpus"))
+def test_bench_model_refuses_bad_input_in_one_line(recipe, tmp_path):
     line = run_cli_error("bench", "model", str(recipe), "train.compile=sometimes", cwd=tmp_path)
     assert "train.compile" in line

@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from tests.conftest import run_cli, write_corpus, write_recipe
+from tests.conftest import run_cli
 from trainbook.data import Tokenizer
 from trainbook.data.tokenizer import hf_tokenizer_config
 
@@ -14,8 +14,7 @@ transformers = pytest.importorskip("transformers")
 TEXTS = ["BERNARDO:\nWho's there?", "Nay, answer me: stand, and unfold yourself. 😀", ""]
 
 
-def test_hf_export_of_an_add_bos_run_prepends_bos_in_transformers(tmp_path):
-    recipe = write_recipe(tmp_path / "unit.toml", write_corpus(tmp_path / "corpus"))
+def test_hf_export_of_an_add_bos_run_prepends_bos_in_transformers(recipe, tmp_path):
     run_dir, out = tmp_path / "run", tmp_path / "hf"
     done = run_cli("run", str(recipe), "train.max_steps=2", "tokenizer.bos_token=<s>",
                    "tokenizer.add_bos=true", "--run-dir", str(run_dir), cwd=tmp_path)

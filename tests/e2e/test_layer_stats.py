@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.conftest import run_cli, write_corpus, write_recipe
+from tests.conftest import prepared_recipe, run_cli
 from trainbook.checkpoint import load_state, tensor_entries
 from trainbook.diagnose.layers import block_of
 
@@ -42,12 +42,14 @@ def _losses(run_dir: Path) -> list[float]:
 
 
 @pytest.mark.slow
-def test_layer_statistics_match_the_checkpoints_and_change_nothing(recipe, tmp_path):
-    on, off = tmp_path / "on", tmp_path / "off"
-    for run_dir, every in ((on, 1), (off, 0)):
-        done = run_cli("run", str(recipe), *STEPS, f"monitor.layer_stats_every={every}", "--run-dir", str(run_dir),
-                       cwd=recipe.parent)
-        assert done.returncode == 0, done.stderr
+def test_layer_statistics_match_the_checkpoints_and_change_nothing(compiled_runs, tmp_path):
+    """The eager run below (statistics every step, a checkpoint after each) against the same run
+    without statistics."""
+    on, off = compiled_runs["eager"][0], tmp_path / "off"
+    recipe = on.parent / "unit.toml"
+    done = run_cli("run", str(recipe), *STEPS, "train.compile=false", "monitor.layer_stats_every=0",
+                   "--run-dir", str(off), cwd=recipe.parent)
+    assert done.returncode == 0, done.stderr
     assert _losses(on) == _losses(off)  # bitwise: the hooks only read
     assert not (off / "layers.jsonl").exists()
 
@@ -85,18 +87,20 @@ _TRACED = re.compile(r"torchdynamo start tracing (\S+) (\S+)")
 
 
 @pytest.fixture(scope="module")
-def compiled_runs(tmp_path_factory) -> dict[str, tuple[Path, list[tuple[str, str]]]]:
-    """Four steps with statistics every 2nd (armed on steps 2 and 4, off on 1 and 3; evaluations
-    at 0, 3 and 4): eager, compiled, and compiled without statistics. Each run's directory and the
-    frames dynamo traced. Compiling takes 20-30 s a run on a 2-core CPU, so the runs are shared."""
+def compiled_runs(tmp_path_factory, debug_data) -> dict[str, tuple[Path, list[tuple[str, str]]]]:
+    """Four steps (evaluations at 0, 3 and 4): eager with statistics every step and a checkpoint
+    after each (the test above reads it too), compiled with statistics every 2nd (armed on steps 2
+    and 4, off on 1 and 3), and compiled without statistics. Each run's directory and the frames
+    dynamo traced. Compiling takes 20-30 s a run on a 2-core CPU, so the runs are shared."""
     root = tmp_path_factory.mktemp("compiled")
-    recipe = write_recipe(root / "unit.toml", write_corpus(root / "corpus"))
+    recipe = prepared_recipe(root, debug_data)
     runs = {}
-    for name, compiled, every in (("eager", "false", 2), ("compiled", "true", 2), ("compiled_off", "true", 0)):
+    for name, compiled, every, extra in (("eager", "false", 1, STEPS), ("compiled", "true", 2, []),
+                                         ("compiled_off", "true", 0, [])):
         run_dir = root / name
-        done = run_cli("run", str(recipe), "train.max_steps=4", "log.every_steps=1", f"train.compile={compiled}",
-                       f"monitor.layer_stats_every={every}", "--run-dir", str(run_dir), cwd=root,
-                       env={"TORCH_LOGS": "dynamo"})
+        done = run_cli("run", str(recipe), "train.max_steps=4", "log.every_steps=1", *extra,
+                       f"train.compile={compiled}", f"monitor.layer_stats_every={every}", "--run-dir", str(run_dir),
+                       cwd=root, env={"TORCH_LOGS": "dynamo"})
         assert done.returncode == 0, done.stderr
         runs[name] = run_dir, _TRACED.findall(done.stderr)
     return runs
@@ -108,8 +112,8 @@ def test_compiled_activation_statistics_are_the_eager_ones(compiled_runs):
     statistics within 1e-5 relative, 1e-7 absolute (measured: 5e-7 relative at most, act_mean)."""
     (eager, _), (compiled, _) = compiled_runs["eager"], compiled_runs["compiled"]
     want, got = ({r["step"]: r["blocks"] for r in _rows(d, "layers.jsonl")} for d in (eager, compiled))
-    assert sorted(got) == sorted(want) == [2, 4]
-    for step, blocks in want.items():
+    assert sorted(got) == [2, 4] and sorted(want) == [1, 2, 3, 4]
+    for step, blocks in ((step, want[step]) for step in got):
         for block in ("layers.0", "layers.1"):
             expected = {k: blocks[block][k] for k in ACTS}
             assert {k: got[step][block][k] for k in ACTS} == pytest.approx(expected, rel=1e-5, abs=1e-7), (step, block)
@@ -129,9 +133,11 @@ def test_compiled_statistics_change_nothing_and_compile_nothing(compiled_runs):
     for name in w_on:
         assert torch.equal(w_on[name], w_off[name]), name
     assert traced_on == traced_off
-    # The block for training, the chunked loss's kernel (train.loss = auto: chunked when compiled),
-    # the block for evaluation: all before step 1 (`compiled` in events.jsonl), none after.
-    assert sorted(f for f, _ in traced_on) == ["_chunk_loss_and_grad", "forward", "forward"], traced_on
+    # The block for training, the chunked loss's kernels (train.loss = auto: chunked when compiled;
+    # evaluation's computes the loss alone), the block for evaluation: all before step 1
+    # (`compiled` in events.jsonl), none after.
+    assert sorted(f for f, _ in traced_on) == ["_chunk_loss_and_grad", "_chunk_loss_only", "forward", "forward"], \
+        traced_on
     for run in (on, off):
         compiled = [e for e in _rows(run, "events.jsonl") if e["kind"] == "compiled"]
         assert len(compiled) == 1 and compiled[0]["step"] == 0 and compiled[0]["seconds"] > 0

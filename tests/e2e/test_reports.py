@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import run_cli, run_cli_error, write_corpus, write_recipe
+from tests.conftest import prepared_recipe, run_cli, run_cli_error
 
 STEPS = 6
 COMMON = ("train.max_steps=6", "log.every_steps=2", "run.threads=1", "checkpoint.interval_steps=3")
@@ -34,12 +34,10 @@ def _train(recipe: Path, run_dir: Path, *overrides: str, env: dict | None = None
 
 
 @pytest.fixture(scope="module")
-def archive(tmp_path_factory):
+def archive(tmp_path_factory, debug_data):
     tmp = tmp_path_factory.mktemp("archive")
-    recipe = write_recipe(tmp / "unit.toml", write_corpus(tmp / "corpus"))
+    recipe = prepared_recipe(tmp, debug_data)  # the data once, before the runs share it
     root = tmp / "runs"
-    done = run_cli("prepare", str(recipe), cwd=tmp)  # the data once, before the runs share it
-    assert done.returncode == 0, done.stderr
     runs = {name: root / "unit" / name for name in ("lr-high", "lr-low", "failed", "died", "stopped")}
     procs = {
         "lr-high": _train(recipe, runs["lr-high"], "optim.lr=0.004"),

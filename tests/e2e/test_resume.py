@@ -17,7 +17,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from tests.conftest import run_cli, write_corpus, write_recipe
+from tests.conftest import prepared_recipe, run_cli
 from trainbook.checkpoint import load_state, read_latest
 from trainbook.config import load_config
 from trainbook.model import build_model, resolve
@@ -41,11 +41,10 @@ def _run(recipe: Path, run_dir: Path, *extra: str, fault: str | None = None) -> 
 
 
 @pytest.fixture(scope="module")
-def setup(tmp_path_factory):
+def setup(tmp_path_factory, debug_data):
     """The recipe and one uninterrupted run of it: the series every resumed run must equal."""
     tmp = tmp_path_factory.mktemp("resume")
-    corpus = write_corpus(tmp / "corpus")
-    recipe = write_recipe(tmp / "unit.toml", corpus)
+    recipe = prepared_recipe(tmp, debug_data)
     straight = tmp / "straight"
     done = _run(recipe, straight)
     assert done.returncode == 0, done.stderr

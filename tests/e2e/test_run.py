@@ -8,7 +8,7 @@ import pytest
 import tomllib
 import torch
 
-from tests.conftest import run_cli, run_cli_on_terminal, write_recipe
+from tests.conftest import prepared_recipe, run_cli, run_cli_on_terminal
 from trainbook.checkpoint import load_state
 from trainbook.config import load_config
 from trainbook.data import Tokenizer
@@ -23,13 +23,10 @@ def _jsonl(path: Path) -> list[dict]:
 
 
 @pytest.fixture(scope="module")
-def finished_run(tmp_path_factory):
+def finished_run(tmp_path_factory, debug_data):
     """One small run shared by the tests below (training is the slow part)."""
-    from tests.conftest import write_corpus
-
     tmp = tmp_path_factory.mktemp("e2e")
-    corpus = write_corpus(tmp / "corpus")
-    recipe = write_recipe(tmp / "unit.toml", corpus)
+    recipe = prepared_recipe(tmp, debug_data)
     run_dir = tmp / "run"
     done = run_cli("run", str(recipe), "train.max_steps=6", "--run-dir", str(run_dir), cwd=tmp)
     assert done.returncode == 0, done.stderr
@@ -186,10 +183,11 @@ def test_config_prints_the_resolved_recipe(recipe):
 
 
 def test_prepare_twice_does_the_work_once(recipe):
-    first = run_cli("prepare", str(recipe))
+    own = f"data.cache_dir={recipe.parent / 'own-cache'}"  # not the session's prepared cache
+    first = run_cli("prepare", str(recipe), own)
     assert first.returncode == 0, first.stderr
     assert first.stdout.splitlines()[-1].startswith("prepared:")
-    second = run_cli("prepare", str(recipe))
+    second = run_cli("prepare", str(recipe), own)
     assert second.stdout.splitlines()[-1].startswith("cached:")
 
 

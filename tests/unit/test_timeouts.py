@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import re
 import tomllib
-from pathlib import Path
 
 from tests.conftest import CHILD_TIMEOUT_S, REPO
 
