@@ -20,6 +20,7 @@ from pathlib import Path
 
 import torch
 
+from trainbook.config.secrets import scrub
 from trainbook.errors import TrainbookError
 
 # Distributions whose versions decide whether a run can be reproduced.
@@ -47,12 +48,13 @@ def create_run_dir(runs_root: str | Path, name: str, run_dir: str | Path | None 
     return run_dir
 
 
-def capture_env(world_size: int, device: torch.device) -> dict:
-    """The version matrix and the facts of the machine a run ran on (env.json)."""
+def capture_env(world_size: int, device: torch.device, secrets: list[str] = ()) -> dict:
+    """The version matrix and the facts of the machine a run ran on (env.json); `secrets` (the
+    config's, `secret_values`) appear in its command line as their fingerprints."""
     env = {
         "time": time.time(),
         "host": socket.gethostname(),
-        "command": sys.argv,
+        "command": [scrub(arg, list(secrets)) for arg in sys.argv],
         "cwd": os.getcwd(),
         "python": sys.version.split()[0],
         "platform": platform.platform(),

@@ -16,6 +16,7 @@ import subprocess
 import sys
 import threading
 import time
+import tomllib
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
@@ -282,3 +283,36 @@ def test_malformed_webhook_url_and_unknown_rule_are_one_line_errors(recipe, tmp_
     line = run_cli_error("run", str(recipe), 'alerts.rules=["nonfinite", "loss_spikes"]', cwd=tmp_path,
                          watch=(recipe.parent / "runs",))
     assert "command line: alerts.rules: unknown rule 'loss_spikes'" in line
+
+
+def _files_holding(root: Path, secret: str) -> list[str]:
+    """Every file under `root` (binary ones too) whose bytes hold `secret`."""
+    return sorted(str(p.relative_to(root)) for p in root.rglob("*") if p.is_file() and secret.encode() in p.read_bytes())
+
+
+def test_a_webhook_secret_is_never_written(recipe, tmp_path, receiver):
+    """The URL from an environment variable reaches the server; given on the command line it is
+    archived only as its fingerprint: no file of either run directory holds the secret."""
+    from trainbook.config.secrets import fingerprint
+
+    by_env, by_arg = tmp_path / "env", tmp_path / "arg"
+    secret_env, secret_arg = "s3cr3t-from-the-environment", "s3cr3t-on-the-command-line"
+    _run(recipe, by_env, "train.max_steps=6", "train.eval_every=0", "alerts.webhook_url_env=TB_TEST_HOOK",
+         "triage.on_nonfinite=ignore", fault="model.block_nan@4", TRAINBOOK_FAULT_BLOCK="1",
+         TB_TEST_HOOK=f"{receiver.url}?token={secret_env}")
+    assert [(p["rule"], p["step"]) for p in receiver.received()] == [("nonfinite", 4)]
+    url = f"{receiver.url}?token={secret_arg}"
+    _run(recipe, by_arg, "train.max_steps=4", "train.eval_every=0", "checkpoint.interval_steps=2",
+         f"alerts.webhook_url={url}")
+    assert _files_holding(by_env, secret_env) == [] and _files_holding(by_arg, secret_arg) == []
+    resolved = tomllib.loads((by_arg / "config.resolved.toml").read_text())
+    assert resolved["alerts"]["webhook_url"] == fingerprint(url)  # compare and resume still see a change
+    manifest = json.loads((by_arg / "checkpoints" / "step-2" / "manifest.json").read_text())
+    assert manifest["config"]["alerts"]["webhook_url"] == fingerprint(url)
+    assert f"alerts.webhook_url={fingerprint(url)}" in json.loads((by_arg / "env.json").read_text())["command"]
+
+
+def test_a_webhook_variable_that_is_not_set_is_one_line(recipe, tmp_path):
+    line = run_cli_error("run", str(recipe), "alerts.webhook_url_env=TB_TEST_NOT_SET", cwd=tmp_path,
+                         watch=(recipe.parent,))
+    assert line.endswith("alerts.webhook_url_env: the environment variable TB_TEST_NOT_SET is not set"), line

@@ -16,7 +16,7 @@ from typing import Callable
 
 from trainbook.atomic import atomic_write_json
 from trainbook.commands.recipe import baseline_path, last_error, recipe_and_overrides, run_in_subprocess
-from trainbook.config import load_config
+from trainbook.config import load_config, scrub, secret_values
 from trainbook.errors import TrainbookError
 from trainbook.monitor.archive import load_run
 from trainbook.monitor.baseline import make_baseline
@@ -49,6 +49,7 @@ def baseline_command(recipe: str | None, overrides: list[str] | None, seeds: int
         log(f"  done in {time.monotonic() - started:,.0f} s: {run.steps} steps, loss {run.final_loss:.4f}"
             + (f", val_loss {run.final_val_loss:.4f}" if run.final_val_loss is not None else ""))
     command = shlex.join(["trainbook", "baseline", *sys.argv[2:]]) if sys.argv[1:2] == ["baseline"] else ""
+    command = scrub(command, secret_values(cfg.model_dump(mode="json")))  # a secret only as its fingerprint
     data = make_baseline(runs, seed_list, k, floor, str(path), command, runs[0].config)
     out.parent.mkdir(parents=True, exist_ok=True)
     atomic_write_json(out, data)

@@ -12,10 +12,11 @@ process group starts and before anything is written. What it settles:
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from trainbook.config import Config, TokenizerConfig, load_config
+from trainbook.config import AlertsConfig, Config, TokenizerConfig, load_config
 from trainbook.data import hf_tokenizer_config
 from trainbook.errors import TrainbookError
 from trainbook.model import resolve as resolve_model
@@ -23,6 +24,25 @@ from trainbook.model.registry import FROM_HF
 from trainbook.parallel.device import device_memory_bytes, pick_device
 from trainbook.parallel.dims import ParallelDims, pipeline_microbatches, resolve_dims
 from trainbook.parallel.plan import PlanInputs
+
+
+def _check_secrets(cfg: Config, where: str) -> None:
+    """A webhook URL named by an environment variable: the variable is set and holds an http(s)
+    URL (the error never repeats the value)."""
+    name = cfg.alerts.webhook_url_env
+    if name is None:
+        return
+    if cfg.alerts.webhook_url is not None:
+        raise TrainbookError("give the webhook URL once: alerts.webhook_url or alerts.webhook_url_env, not both",
+                             where=f"{where}: alerts.webhook_url_env")
+    url = os.environ.get(name)
+    if not url:
+        raise TrainbookError(f"the environment variable {name} is not set", where=f"{where}: alerts.webhook_url_env")
+    try:
+        AlertsConfig(webhook_url=url)
+    except ValueError:
+        raise TrainbookError(f"the environment variable {name} does not hold an http(s) URL with a host",
+                             where=f"{where}: alerts.webhook_url_env") from None
 
 
 @dataclass(frozen=True)
@@ -77,6 +97,7 @@ def resolve(recipe: Path, overrides: list[str], world_size: int, *, device_memor
     if cfg.train.seq_len > cfg.model.max_seq_len:
         raise TrainbookError(f"{cfg.train.seq_len} is longer than model.max_seq_len = {cfg.model.max_seq_len}",
                              where=f"{where}: train.seq_len")
+    _check_secrets(cfg, where)
     dims = resolve_dims(cfg.parallel, world_size, where)
     _check_model_layout(cfg, dims, where)
     chosen = cfg.train.micro_batch_size == "auto"

@@ -23,7 +23,7 @@ from trainbook.commands.preflight import (
 )
 from trainbook.commands.recipe import archived_config, recipe_and_overrides
 from trainbook.commands.resolve import Resolved, resolve
-from trainbook.config import dump_toml, load_config
+from trainbook.config import dump_toml, load_config, scrub, secret_values
 from trainbook.data import Prepared
 from trainbook.errors import TrainbookError
 from trainbook.monitor import rewind_metrics
@@ -143,9 +143,10 @@ def _open_run_dir(res: Resolved, run_dir: Path | None, start: ResumePoint | None
             atomic_write_text(start.run_dir / "config.resolved.toml", dump_toml(cfg))
         return start.run_dir, dropped, changed
     run_dir = create_run_dir(cfg.run.runs_root, cfg.run.name, run_dir if start is None else start.run_dir)
-    atomic_write_text(run_dir / "recipe.toml", res.recipe.read_text(encoding="utf-8"))
+    secrets = secret_values(cfg.model_dump(mode="json"))  # written as fingerprints, never as they are
+    atomic_write_text(run_dir / "recipe.toml", scrub(res.recipe.read_text(encoding="utf-8"), secrets))
     atomic_write_text(run_dir / "config.resolved.toml", dump_toml(cfg))
-    env = capture_env(world_size=rt.world_size, device=rt.device)
+    env = capture_env(world_size=rt.world_size, device=rt.device, secrets=secrets)
     env["parallel"] = rt.dims.sizes()
     atomic_write_json(run_dir / "env.json", env, indent=2)
     data.tokenizer.save(run_dir / "tokenizer")

@@ -1,6 +1,7 @@
 """Recipe schema, loading (`extends`, overrides), validation and the resolved dump."""
 
 from trainbook.config.load import dotted_keys, dump_toml, load_config, parse_override
+from trainbook.config.secrets import redact_tree, scrub, secret_values
 from trainbook.config.schema import (
     ALERT_RULES,
     AlertsConfig,
@@ -26,4 +27,5 @@ __all__ = [
     "ALERT_RULES", "AlertsConfig", "MonitorConfig", "CheckpointConfig", "Config", "DataConfig", "DiagnoseConfig", "LogConfig", "ModelConfig", "OptimConfig",
     "ParallelConfig", "PrecisionConfig", "RunConfig", "ScheduleConfig", "SourceConfig",
     "TokenizerConfig", "TrainConfig", "TriageConfig", "dotted_keys", "dump_toml", "load_config", "parse_override",
+    "redact_tree", "scrub", "secret_values",
 ]

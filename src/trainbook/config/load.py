@@ -17,6 +17,7 @@ import tomli_w
 from pydantic import BaseModel, ValidationError
 
 from trainbook.config.schema import Config
+from trainbook.config.secrets import redact_tree
 from trainbook.errors import TrainbookError
 
 COMMAND_LINE = "command line"
@@ -45,7 +46,7 @@ def validate(tree: dict, origins: dict[str, str], default_where: str) -> Config:
 def dump_toml(cfg: Config) -> str:
     """Every field after extends and overrides, as a recipe that reproduces the run."""
     header = "# Resolved by trainbook: every field after `extends` and overrides.\n"
-    return header + tomli_w.dumps(cfg.model_dump(mode="json", exclude_none=True))
+    return header + tomli_w.dumps(redact_tree(cfg.model_dump(mode="json", exclude_none=True)))
 
 
 # ---- reading files -------------------------------------------------------------------------

@@ -12,6 +12,7 @@ from typing import Annotated, Literal
 from pydantic import Field, ValidationInfo, field_validator, model_validator
 
 from trainbook.config.book import EnvConfig, ExpectedFigure, LaunchConfig  # noqa: F401 (re-exported)
+from trainbook.config.secrets import is_redacted
 from trainbook.config.section import Section
 
 
@@ -465,7 +466,11 @@ class AlertsConfig(Section):
     row is an alert naming rank, host and where its time goes: data, compute, communication)."""
     webhook_url: str | None = None
     """POST each alert as JSON here, an http(s) URL (a background thread with timeout and retries;
-    never blocks training)."""
+    never blocks training). A secret: trainbook writes only its fingerprint (`redacted:sha256:...`,
+    config/secrets.py), and an archived config that holds one posts nowhere."""
+    webhook_url_env: str | None = Field(default=None, pattern=r"^[A-Za-z_][A-Za-z0-9_]*$")
+    """The name of an environment variable holding the webhook URL (instead of `webhook_url`), so
+    the secret is in no recipe and no command line; checked before the run starts."""
     command: list[str] | None = Field(default=None, min_length=1)
     """Run this argv (never a shell) for each alert, with the alert as JSON on stdin (timeout:
     `webhook_timeout_s`)."""
@@ -504,7 +509,7 @@ class AlertsConfig(Section):
     @field_validator("webhook_url")
     @classmethod
     def _http_url(cls, url: str | None) -> str | None:
-        if url is None:
+        if url is None or is_redacted(url):
             return url
         parts = urllib.parse.urlsplit(url)
         try:

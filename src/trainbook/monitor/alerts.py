@@ -48,6 +48,7 @@ updates are never judged. A rule fires again only `repeat_after_s` after it last
 from __future__ import annotations
 
 import math
+import os
 import statistics
 import threading
 import time
@@ -56,6 +57,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from trainbook.config import AlertsConfig
+from trainbook.config.secrets import is_redacted
 from trainbook.monitor.destinations import AlertCommand, Webhook
 from trainbook.monitor.report import Alert, EvalReport, StepReport
 from trainbook.monitor.sinks import Monitors, Sink
@@ -314,8 +316,12 @@ def add_alerts(monitors: Monitors, info: RunInfo, cfg: AlertsConfig, logger) -> 
     """Rank 0: the destinations of `cfg`, then the rules, which publish through `monitors` (so every
     sink, the log and events.jsonl included, sees each alert). Closed in reverse: the rules stop
     firing before the destinations drain."""
-    if cfg.webhook_url:
-        monitors.add(Webhook(cfg.webhook_url, cfg.webhook_timeout_s, cfg.webhook_retries, logger))
+    url = os.environ.get(cfg.webhook_url_env, "") if cfg.webhook_url_env else cfg.webhook_url
+    if is_redacted(url):  # a config read back from an archive: the secret was never written
+        logger.warning(f"alerts.webhook_url is {url} (an archived config holds no secret): alerts post "
+                       "nowhere; give it with alerts.webhook_url_env")
+    elif url:
+        monitors.add(Webhook(url, cfg.webhook_timeout_s, cfg.webhook_retries, logger))
     if cfg.command:
         monitors.add(AlertCommand(cfg.command, cfg.webhook_timeout_s, logger))
     if cfg.rules:

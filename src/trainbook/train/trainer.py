@@ -23,7 +23,7 @@ import torch
 
 import trainbook
 from trainbook.checkpoint import Checkpointer, any_rank, load_state, step_of, tensor_entries
-from trainbook.config import Config, dump_toml
+from trainbook.config import Config, dump_toml, redact_tree
 from trainbook.data import Prepared, TrainLoader, val_batches
 from trainbook.data.loader import DeliveredMix
 from trainbook.diagnose.layers import LayerStats
@@ -654,7 +654,7 @@ def checkpoint_description(cfg: Config, dims: ParallelDims) -> dict:
     text = dump_toml(cfg)
     return {
         "config_sha256": hashlib.sha256(text.encode()).hexdigest(),
-        "config": cfg.model_dump(mode="json"),
+        "config": redact_tree(cfg.model_dump(mode="json")),  # secrets as fingerprints
         "parallel": dims.sizes(),
         "versions": {"trainbook": trainbook.__version__, "torch": torch.__version__},
     }
