@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 
+from tests import readme
 from tests.conftest import prepared_recipe, run_cli, run_cli_error, worker_exits
 
 pytestmark = pytest.mark.slow
@@ -61,6 +62,8 @@ def test_rank_sleeping_in_data_loading_is_named_with_its_stacks(recipe, tmp_path
     line = _verdict_line(done.stderr)
     assert re.search(r"rank 0 waits in \w+ #\d+ \(step 3, forward\); rank 1 \(host [^)]+\) never reached it: "
                      r"it is in data loading of step 3, stack in hang/rank1.txt$", line), line
+    readme.assert_printed("A rank stuck in data loading", done.stderr, command="trainbook run", mask=True)
+    assert readme.status("A rank stuck in data loading", "trainbook run") == done.returncode
     verdict = json.loads((run_dir / "hang" / "verdict.json").read_text())
     assert verdict["waiting"] == [0] and verdict["step"] == 3 and verdict["seq"] > 0
     assert [(s["rank"], s["phase"], s["speaks"]) for s in verdict["stuck"]] == [(1, "data", True)]

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from tests import readme
 from tests.conftest import CHILD_TIMEOUT_S, RECIPES, run_cli, write_hf_llama
 from trainbook.commands.plan import plan_command
 from trainbook.config import load_config
@@ -104,6 +105,11 @@ def test_a_perturbed_learning_rate_fails_at_the_first_point_out_of_band(shakespe
     assert "FAIL:" in done.stdout and "the first at step 20 (loss: out of band" in done.stdout, done.stdout[-2000:]
     table = done.stdout[done.stdout.index("step  metric"):]
     assert re.search(r"^\s+20\s+loss\s", table, flags=re.M), table
+    # The README's block of this command, numbers and the run's id aside (here the recipe and the
+    # baseline are named by their absolute paths, and the shared data cache is an override).
+    readme.assert_printed("A perturbed learning rate, as it printed here", done.stdout, mask=True,
+                          replace={f" data.cache_dir={shakespeare_cache}": "", str(RECIPES.resolve()): "recipes",
+                                   str(RECIPES): "recipes"})
 
 
 def test_verify_bad_input_is_one_line_and_exit_2(tmp_path):

@@ -16,6 +16,7 @@ import pytest
 import torch
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
+from tests import readme
 from tests.conftest import prepared_recipe, run_cli, run_cli_error, worker_exits
 
 pytestmark = pytest.mark.slow
@@ -83,6 +84,9 @@ def test_nan_in_block_k_is_located_there_and_stops_the_run(recipe, tmp_path, blo
     assert errors == [f"trainbook: error: step 4: loss is nan; first non-finite output: layers.{block} "
                       "(micro-batch 1 of 2, rank 0); reproducible: the re-run gave loss nan, grad norm nan; "
                       "training stopped; incident in incidents/step-4/"], done.stderr
+    if block == 1:  # the README's transcript of this run, exactly (its `...` aside), and its exit status
+        readme.assert_printed("A NaN put into block 1's output in step 4", done.stdout + done.stderr, command="trainbook run")
+        assert readme.status("A NaN put into block 1's output in step 4", "trainbook run") == done.returncode
     incident = json.loads((run_dir / "incidents" / "step-4" / "incident.json").read_text())
     assert incident["kind"] == "nonfinite" and incident["action"] == "stop" and incident["rerun"]["reproducible"]
     assert incident["lr"] > 0 and incident["loss_scale"] is None and incident["micro_batches"] == 2
