@@ -230,3 +230,13 @@ def run_cli_on_terminal(*args: str, cwd: Path | None = None, timeout: float = 30
         chunks.append(chunk)
     os.close(master)
     return proc.wait(), b"".join(chunks).decode("utf-8", "replace")
+
+
+def pytest_collection_modifyitems(config, items) -> None:
+    """Every test under tests/e2e and tests/dist starts real processes (the CLI, torchrun) and most
+    train: all are `slow`, so `pytest -m "not slow"` is the fast lane (unit tests; those of them
+    that train carry the mark themselves). CI runs everything."""
+    heavy = (REPO / "tests" / "e2e", REPO / "tests" / "dist")
+    for item in items:
+        if any(Path(item.path).is_relative_to(folder) for folder in heavy):
+            item.add_marker(pytest.mark.slow)
