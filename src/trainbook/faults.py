@@ -47,6 +47,9 @@ Two kinds of point:
                         (default 2**50) in the training forward of the step: the allocator's real
                         out-of-memory failure (CPU: "DefaultCPUAllocator: can't allocate memory";
                         CUDA: torch.OutOfMemoryError) raised inside the block;
+  `comm.slow_sync`      the step's loss report (its last exposed collective) joins late on this
+                        rank, by TRAINBOOK_FAULT_SLOWDOWN - 1 (default 9) times the recent clean
+                        steps: a slow link, which every rank waits for in `grad_sync`;
   `host.contend`        from its first step, `TRAINBOOK_FAULT_HOGS` (default 3 per usable CPU)
                         processes spin on the CPUs until the training process ends (contention).
   `check.slow_matmul`   `trainbook check`'s matmul probe on this rank (arm it bare or `@0`; pick

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from tests import readme
-from tests.conftest import run_cli, run_cli_error, write_corpus, write_recipe
+from tests.conftest import prepared_recipe, run_cli, run_cli_error
 
 pytestmark = pytest.mark.slow
 
@@ -19,9 +19,8 @@ def _train(run_dir: Path) -> list[dict]:
 
 
 @pytest.fixture(scope="module")
-def recipe(tmp_path_factory) -> Path:
-    tmp = tmp_path_factory.mktemp("doctor")
-    return write_recipe(tmp / "unit.toml", write_corpus(tmp / "corpus"))
+def recipe(tmp_path_factory, debug_data) -> Path:
+    return prepared_recipe(tmp_path_factory.mktemp("doctor"), debug_data)
 
 
 def _run(recipe: Path, name: str, *args: str, env: dict | None = None):
@@ -60,6 +59,20 @@ def test_a_slow_source_is_data_bound_with_the_data_wait_share(recipe):
     assert int(re.search(r"(\d+)% of step time", first)[1]) == round(share * 100), (share, out)
     assert "trainbook bench data" in out and "playbook: README.md" in out
     readme.assert_printed("A slow input path", out, command="trainbook doctor", mask=True, replace={str(run_dir): "runs/slow"})
+
+
+def test_a_slow_link_is_communication_bound(recipe):
+    """Rank 1's loss report (the step's last exposed collective) joins 9 clean steps late from step
+    3 on: both ranks wait in grad_sync, neither in its data or compute."""
+    run_dir, done = _run(recipe, "slow-link", "--nproc", "2",
+                         env={"TRAINBOOK_FAULT": "comm.slow_sync@3+", "TRAINBOOK_FAULT_RANK": "1"})
+    assert done.returncode == 0, done.stderr
+    code, out = _doctor(run_dir)
+    assert code == 1, out
+    first = out.splitlines()[0]
+    assert first.startswith("communication-bound: exposed gradient communication (grad_sync) "), out
+    steady = [r for r in _train(run_dir) if 3 <= r["step"] <= 7]
+    assert all(r["phases"]["grad_sync"] > r["phases"]["data"] for r in steady), steady
 
 
 @pytest.fixture(scope="module")

@@ -57,6 +57,38 @@ def attach_block_nan(model: nn.Module, tracker: PhaseTracker, data_step: Callabl
     block.register_forward_hook(poison)
 
 
+def attach_slow_sync(engine, tracker: PhaseTracker) -> None:
+    """`comm.slow_sync@N`: in step N the loss report, the step's last exposed collective, joins
+    (TRAINBOOK_FAULT_SLOWDOWN - 1, default 9) times the median of the recent clean steps late on
+    this rank: a slow link. The other ranks wait for it inside that collective, so every rank's
+    `grad_sync` phase holds the delay (communication-bound, on any machine)."""
+    if fault_armed("comm.slow_sync"):
+        engine.report_loss = _SlowSync(engine.report_loss, tracker)
+
+
+class _SlowSync:
+    """The engine's `report_loss`, delayed on the steps `comm.slow_sync` names."""
+
+    def __init__(self, report_loss: Callable[[torch.Tensor], torch.Tensor], tracker: PhaseTracker):
+        self.report_loss = report_loss
+        self.tracker = tracker
+        self.clean_steps_s: deque[float] = deque(maxlen=20)  # intervals between clean steps' reports
+        self.last: float | None = None  # monotonic time of the previous clean step's report
+
+    def __call__(self, mean: torch.Tensor) -> torch.Tensor:
+        step, now = self.tracker.current().step, time.monotonic()
+        if fault_active("comm.slow_sync", step):
+            if self.clean_steps_s:
+                slowdown = float(os.environ.get("TRAINBOOK_FAULT_SLOWDOWN", 10))
+                time.sleep((slowdown - 1) * statistics.median(self.clean_steps_s))
+            self.last = None  # the next interval holds this delay: not a clean one
+        else:
+            if self.last is not None:
+                self.clean_steps_s.append(now - self.last)
+            self.last = now
+        return self.report_loss(mean)
+
+
 def attach_memory_faults(model: nn.Module, tracker: PhaseTracker) -> None:
     """The memory damage of block `TRAINBOOK_FAULT_BLOCK` (default 0), in the training forward:
 

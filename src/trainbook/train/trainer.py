@@ -54,7 +54,7 @@ from trainbook.parallel.runtime import Runtime
 from trainbook.phase import Phase, PhaseTracker
 from trainbook.precision import Precision
 from trainbook.train.engine import LocalEngine, PipelineEngine, lm_loss
-from trainbook.train.fault_hooks import FaultyBatches, attach_block_nan, attach_memory_faults
+from trainbook.train.fault_hooks import FaultyBatches, attach_block_nan, attach_memory_faults, attach_slow_sync
 from trainbook.train.optim import build_optimizer, load_optimizer_state, optimizer_state, optimizer_state_like
 from trainbook.train.rng import rng_state, set_rng_state
 from trainbook.train.schedule import LRSchedule
@@ -103,6 +103,7 @@ class Trainer:
         self.model = self.engine.model
         attach_block_nan(self.model, self.tracker, self._data_step)  # only when TRAINBOOK_FAULT arms it
         attach_memory_faults(self.model, self.tracker)  # likewise
+        attach_slow_sync(self.engine, self.tracker)  # likewise
         self.phase_memory = PhaseMemory(self.tracker, self.device)  # where memory grows (leaks)
         self.optimizer = build_optimizer(self.model, cfg.optim, embeddings=self.engine.embeddings)
         self.schedule = LRSchedule(cfg.schedule, cfg.optim.lr, cfg.train.max_steps)
