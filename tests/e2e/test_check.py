@@ -15,7 +15,8 @@ def _rows(stdout: str) -> dict[str, dict]:
     return {r["check"]: r for r in json.loads(stdout)["rows"]}
 
 
-def test_unprepared_data_is_a_warn_naming_prepare_then_the_prepared_data_passes(tmp_path, recipe):
+def test_unprepared_data_is_a_warn_naming_prepare_then_the_prepared_data_passes(tmp_path, corpus):
+    recipe = write_recipe(tmp_path / "unit.toml", corpus)  # its own cache: not the session's prepared one
     before = files_under(tmp_path)
     done = run_cli("check", str(recipe), cwd=tmp_path)
     assert done.returncode == 0, done.stdout + done.stderr

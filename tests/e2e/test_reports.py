@@ -152,8 +152,10 @@ def test_bad_input_is_one_line_and_writes_nothing(archive, tmp_path):
     tmp, root, runs, _ = archive
     cwd = tmp_path
     watch = (root,)
-    line = run_cli_error("report", str(tmp / "corpus"), cwd=cwd, watch=watch)
-    assert f"{tmp / 'corpus'}: not a run directory" in line
+    plain = tmp_path / "plain"
+    plain.mkdir()
+    line = run_cli_error("report", str(plain), cwd=cwd, watch=watch)
+    assert f"{plain}: not a run directory" in line
     line = run_cli_error("report", str(tmp / "nowhere"), cwd=cwd, watch=watch)
     assert f"{tmp / 'nowhere'}: no such run directory" in line
     bare = tmp_path / "bare"
