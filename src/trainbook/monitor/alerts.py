@@ -67,7 +67,7 @@ if TYPE_CHECKING:
 
 MAD_TO_SIGMA = 1.4826  # MAD of a normal distribution times this is its standard deviation
 RECENT = 3  # steps whose median throughput is compared with the window's
-STARVED = 0.5  # share of the threads' CPU demand spent waiting that names contention as the cause of a drop
+STARVED = 0.5  # share of a step a thread waited for a CPU that names contention as the cause of a drop
 STRAGGLER_INTERVALS = 3  # logged steps in a row with the same rank late
 STRAGGLER_MIN_S = 0.005  # lateness below this is timer and scheduler noise on any machine
 STRAGGLER_Z = 3.0  # with 4 ranks or more, the late rank must stand out of the others too
@@ -187,8 +187,8 @@ class AlertRules(Sink):
         if recent < c.throughput_drop * median_tps:
             waits = [w for w in [*list(h["cpu_wait"])[-(RECENT - 1):], r.cpu_wait_share] if w is not None]
             busy = statistics.median(waits) if waits else 0.0
-            cause = (f"; the run's threads waited for a CPU {busy:.0%} of the time they needed one: the machine "
-                     "is busy with other work" if busy >= STARVED else "")
+            cause = (f"; a thread of the run waited for a CPU {busy:.0%} of that time: the machine is busy "
+                     "with other work" if busy >= STARVED else "")
             self._fire("throughput_drop", recent, r.step,
                        f"{recent:,.0f} tokens/s over the last {RECENT} steps is {recent / median_tps:.0%} of the "
                        f"rolling median {median_tps:,.0f}{cause}", threshold=c.throughput_drop * median_tps)

@@ -3,8 +3,8 @@
 A step that takes longer because other processes hold the CPUs (an oversubscribed node, a
 neighbour's job) looks like any other slowdown in tokens/s. Linux counts, per thread, the time
 spent on a CPU and the time spent runnable on a run queue (`/proc/<pid>/task/<tid>/schedstat`,
-first and second fields, ns). Over a step, the share of the process's demanded CPU time that it
-spent waiting tells contention apart from a slower input pipeline (a thread waiting for data
+first and second fields, ns). Over a step, the longest wait of any thread as a share of the
+step's time tells contention apart from a slower input pipeline (a thread waiting for data
 sleeps: it is neither running nor runnable).
 
 Every thread counts, not only the main one: on a CPU the intra-op worker threads do the kernels
@@ -40,15 +40,13 @@ def cpu_times() -> CpuTimes | None:
     return times or None
 
 
-def cpu_wait_share(before: CpuTimes | None, after: CpuTimes | None) -> float | None:
-    """Of the CPU time the process's threads asked for between two readings (ran + waited), the
-    share they spent waiting for a CPU: ~0 on an idle machine, ~1 - 1/k when k runnable threads
-    share each CPU. A thread started in between counts from its start; one that ended is lost."""
-    if before is None or after is None:
+def cpu_wait_share(before: CpuTimes | None, after: CpuTimes | None, elapsed_s: float) -> float | None:
+    """The longest any one thread of the process waited for a CPU between two readings, as a share
+    of the `elapsed_s` between them: ~0 on an idle machine, ~1 - 1/k for a thread that shares
+    its CPU with k - 1 others all the time. A step that sleeps (waiting for data) shows little,
+    however busy the machine. A thread started in between counts from its start; one that
+    ended is lost."""
+    if before is None or after is None or elapsed_s <= 0:
         return None
-    ran = waited = 0
-    for tid, (r1, w1) in after.items():
-        r0, w0 = before.get(tid, (0, 0))
-        ran, waited = ran + r1 - r0, waited + w1 - w0
-    demand = ran + waited
-    return waited / demand if demand > 0 else 0.0
+    waited = max((w1 - before.get(tid, (0, 0))[1] for tid, (_, w1) in after.items()), default=0)
+    return min(1.0, waited / 1e9 / elapsed_s)

@@ -30,7 +30,7 @@ METRICS: dict[str, tuple[str, str, tuple[str, ...]]] = {
     "trainbook_step_time_seconds": ("gauge", "Wall time of the last step", ()),
     "trainbook_phase_seconds": ("gauge", "Seconds of the last step spent in each phase", ("phase",)),
     "trainbook_data_wait_share": ("gauge", "Share of the last step spent waiting for data", ()),
-    "trainbook_cpu_wait_share": ("gauge", "Share of the CPU time the threads asked for in the last step spent waiting for a CPU", ()),
+    "trainbook_cpu_wait_share": ("gauge", "Longest wait for a CPU of any thread in the last step, as a share of the step", ()),
     "trainbook_memory_peak_bytes": ("gauge", "Peak device memory of the last step", ()),
     "trainbook_loss_scale": ("gauge", "fp16 loss scale of the last step", ()),
     "trainbook_skipped_steps": ("gauge", "fp16 steps skipped so far (gradient overflow)", ()),

@@ -344,7 +344,7 @@ class Trainer:
         except RuntimeError as e:
             raise self._explain(e) from e
         elapsed = time.perf_counter() - start
-        waited = cpu_wait_share(host_before, cpu_times())
+        waited = cpu_wait_share(host_before, cpu_times(), elapsed)
         self.step += 1
         self.tokens += self.tokens_per_step  # a skipped step consumed its data too
         # Provisional: `publish` times the whole record and settles these.

@@ -10,18 +10,18 @@ import pytest
 
 from trainbook.monitor.host import cpu_times
 
-# Prints its peak memory, then the share of its threads' CPU demand spent waiting for a CPU during
+# Prints its peak memory, then the longest wait for a CPU of any of its threads, as a share of the time, during
 # pure-Python work done by a second thread while the main thread sleeps joining it (as the main
 # thread sleeps in the intra-op pool's barrier while the worker threads run the kernels).
 CHILD = """
-import threading, torch
+import threading, time, torch
 from trainbook.monitor.host import cpu_times, cpu_wait_share
 from trainbook.parallel.device import peak_memory_bytes
-before = cpu_times()
+before, start = cpu_times(), time.perf_counter()
 worker = threading.Thread(target=lambda: sum(i * i for i in range(5_000_000)))
 worker.start()
 worker.join()
-print(peak_memory_bytes(torch.device("cpu")), cpu_wait_share(before, cpu_times()))
+print(peak_memory_bytes(torch.device("cpu")), cpu_wait_share(before, cpu_times(), time.perf_counter() - start))
 """
 
 
