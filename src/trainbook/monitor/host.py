@@ -18,13 +18,13 @@ import os
 
 TASKS = "/proc/self/task"
 
-CpuTimes = dict[int, tuple[int, int]]
-"""Thread id -> (ns on a CPU, ns runnable but waiting) since that thread started."""
+CpuTimes = dict[int, int]
+"""Thread id -> ns it was runnable but waiting for a CPU since it started."""
 
 
 def cpu_times() -> CpuTimes | None:
-    """Every thread's CPU and run-queue time now; None where the kernel does not say (not Linux,
-    or schedstats compiled out)."""
+    """Every thread's run-queue time now; None where the kernel does not say (not Linux, or
+    schedstats compiled out)."""
     try:
         tids = os.listdir(TASKS)
     except OSError:
@@ -33,8 +33,7 @@ def cpu_times() -> CpuTimes | None:
     for tid in tids:
         try:
             with open(f"{TASKS}/{tid}/schedstat") as f:
-                ran, waited = f.read().split()[:2]
-            times[int(tid)] = (int(ran), int(waited))
+                times[int(tid)] = int(f.read().split()[1])
         except (OSError, ValueError):
             continue  # the thread ended between listing and reading
     return times or None
@@ -48,5 +47,5 @@ def cpu_wait_share(before: CpuTimes | None, after: CpuTimes | None, elapsed_s: f
     ended is lost."""
     if before is None or after is None or elapsed_s <= 0:
         return None
-    waited = max((w1 - before.get(tid, (0, 0))[1] for tid, (_, w1) in after.items()), default=0)
+    waited = max((w - before.get(tid, 0) for tid, w in after.items()), default=0)
     return min(1.0, waited / 1e9 / elapsed_s)

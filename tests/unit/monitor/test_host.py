@@ -17,11 +17,18 @@ CHILD = """
 import threading, time, torch
 from trainbook.monitor.host import cpu_times, cpu_wait_share
 from trainbook.parallel.device import peak_memory_bytes
+done, release = threading.Event(), threading.Event()
+def work():
+    sum(i * i for i in range(5_000_000))
+    done.set()
+    release.wait()  # alive until read: an ended thread's counters are gone (as the pool's are not)
+worker = threading.Thread(target=work)
 before, start = cpu_times(), time.perf_counter()
-worker = threading.Thread(target=lambda: sum(i * i for i in range(5_000_000)))
 worker.start()
-worker.join()
-print(peak_memory_bytes(torch.device("cpu")), cpu_wait_share(before, cpu_times(), time.perf_counter() - start))
+done.wait()
+share = cpu_wait_share(before, cpu_times(), time.perf_counter() - start)
+release.set()
+print(peak_memory_bytes(torch.device("cpu")), share)
 """
 
 
