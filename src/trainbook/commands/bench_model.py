@@ -33,7 +33,8 @@ from trainbook.parallel.apply import ApplyOptions, parallelize
 from trainbook.parallel.compile import decide
 from trainbook.parallel.device import peak_memory_bytes
 from trainbook.parallel.dims import ParallelDims
-from trainbook.parallel.plan import PlanInputs, memory_estimates
+from trainbook.parallel.plan import memory_estimates
+from trainbook.parallel.plan_memory import PlanInputs
 from trainbook.parallel.runtime import Runtime
 from trainbook.phase import PhaseTracker
 from trainbook.precision import Precision

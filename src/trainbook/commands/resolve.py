@@ -23,7 +23,7 @@ from trainbook.model import resolve as resolve_model
 from trainbook.model.registry import FROM_HF
 from trainbook.parallel.device import device_memory_bytes, pick_device
 from trainbook.parallel.dims import ParallelDims, pipeline_microbatches, resolve_dims
-from trainbook.parallel.plan import PlanInputs
+from trainbook.parallel.plan_memory import PlanInputs
 
 
 def _check_secrets(cfg: Config, where: str) -> None:

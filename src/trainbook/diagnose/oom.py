@@ -52,8 +52,8 @@ from trainbook.errors import DiagnosedFailure, TrainbookError, one_line
 from trainbook.monitor import EventLog
 from trainbook.parallel.device import device_memory_bytes, memory_facts
 from trainbook.parallel.dims import ParallelDims, pipeline_microbatches, resolve_dims
-from trainbook.parallel.plan import PlanInputs, memory_estimates
-from trainbook.parallel.plan_memory import _residual_bytes, activation_terms
+from trainbook.parallel.plan import memory_estimates
+from trainbook.parallel.plan_memory import PlanInputs, activation_terms, residual_bytes
 from trainbook.parallel.runtime import Runtime
 from trainbook.phase import PhaseState
 from trainbook.sizes import human
@@ -286,7 +286,7 @@ class OutOfMemory:
         """Plan's per-block formula for one micro-batch: what each block saves by its end."""
         t, dims = self.inputs.train, self.rt.dims
         samples = t.micro_batch_size // (pipeline_microbatches(self.inputs.parallel, dims.pp) if dims.pp > 1 else 1)
-        terms = activation_terms(self.inputs, samples, dims.tp, _residual_bytes(self.inputs, dims))
+        terms = activation_terms(self.inputs, samples, dims.tp, residual_bytes(self.inputs, dims))
         return dict.fromkeys(self.blocks, terms[f"block_{t.activation_checkpoint}"])
 
     def _plan_view(self, rank: int) -> dict:

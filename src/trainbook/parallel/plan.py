@@ -19,31 +19,18 @@ from __future__ import annotations
 
 import dataclasses
 import warnings
-from dataclasses import dataclass
 
 import torch
 from torch import nn
 
-from trainbook.config import ModelConfig, ParallelConfig, TrainConfig
 from trainbook.model import build_model, num_params
 from trainbook.parallel.dims import MESH_DIMS, ParallelDims, pipeline_microbatches
 from trainbook.parallel.plan_memory import (
-    _block_numel, _compute_bytes, _memory, _numel, _rank_of, _residual_bytes, human,
+    PlanInputs, block_numel, compute_bytes, human, memory, numel, rank_of, residual_bytes,
 )
 
 ADAM_STEP_BYTES = 4  # AdamW's per-parameter `step`: a float32 scalar tensor
 MAX_SIMULATED = 16  # distinct rank coordinates simulated one by one; beyond, a sample (see _coords)
-
-
-@dataclass(frozen=True)
-class PlanInputs:
-    """What a plan reads of a resolved recipe: the model, the batch, the layout, the compute dtype."""
-
-    model: ModelConfig
-    train: TrainConfig
-    parallel: ParallelConfig
-    dtype: str
-    """Compute dtype (precision.dtype): fp32, bf16 or fp16."""
 
 
 # ---- placement: the real parallelize on a meta model, on a fake process group ------------------
@@ -92,7 +79,7 @@ def _simulate_all(cfg: PlanInputs, dims: ParallelDims) -> dict[int, dict]:
 
     hook = sys.excepthook  # init_process_group prefixes it with "[rank<R>]": put ours back
     try:
-        return {_rank_of(dims, c): _simulate_rank(cfg, dims, _rank_of(dims, c)) for c in _coords(dims)}
+        return {rank_of(dims, c): _simulate_rank(cfg, dims, rank_of(dims, c)) for c in _coords(dims)}
     finally:
         sys.excepthook = hook
 
@@ -178,7 +165,7 @@ def make_plan(cfg: PlanInputs, dims: ParallelDims, device_memory: int | None = N
         "batch": _batch(cfg, dims),
         "gradient_path": _gradient_path(dims, cfg),
     }
-    plan["memory"] = _memory(ranks, dims, cfg, plan["pipeline"], device_memory)
+    plan["memory"] = memory(ranks, dims, cfg, plan["pipeline"], device_memory)
     return plan
 
 
@@ -190,7 +177,7 @@ def largest_fitting(cfg: PlanInputs, dims: ParallelDims, micro_batch_sizes: list
     model = build_model(cfg.model, "meta", seed=0)
     for size in micro_batch_sizes:
         c = dataclasses.replace(cfg, train=cfg.train.model_copy(update={"micro_batch_size": size}))
-        if _memory(ranks, dims, c, _pipeline(model, dims, c), device_memory)["fits"]:
+        if memory(ranks, dims, c, _pipeline(model, dims, c), device_memory)["fits"]:
             return size
     return None
 
@@ -219,7 +206,7 @@ def _memory_estimates(cases: list[tuple[PlanInputs, ParallelDims]], device_memor
         if key not in placed:
             placed[key] = simulate(cfg, dims)
         model = build_model(cfg.model, "meta", seed=0)
-        out.append(_memory(placed[key], dims, cfg, _pipeline(model, dims, cfg), device_memory))
+        out.append(memory(placed[key], dims, cfg, _pipeline(model, dims, cfg), device_memory))
     return out
 
 
@@ -279,7 +266,7 @@ def _params(ranks: dict[int, dict], dims: ParallelDims) -> list[dict]:
                     placements["pp"] = f"pp rank {ranks[rank]['pp']}"
                 out[name] = {"name": name, "shape": d["shape"], "placements": placements, "first_rank": rank,
                              "local_shape": d["local_shape"], "largest_local_shape": d["local_shape"]}
-            elif _numel(d["local_shape"]) > _numel(out[name]["largest_local_shape"]):
+            elif numel(d["local_shape"]) > numel(out[name]["largest_local_shape"]):
                 out[name]["largest_local_shape"] = d["local_shape"]
     return list(out.values())
 
@@ -303,14 +290,14 @@ def _batch(cfg: PlanInputs, dims: ParallelDims) -> dict:
 def _gradient_path(dims: ParallelDims, cfg: PlanInputs) -> list[dict]:
     """Every collective of one optimizer step, by mesh dimension: what, how big, how often."""
     m, t, p = cfg.model, cfg.train, cfg.parallel
-    c = _compute_bytes(cfg)
+    c = compute_bytes(cfg)
     accum = t.grad_accum_steps(dims.dp)
-    matrices, gains = _block_numel(cfg, dims.tp)
+    matrices, gains = block_numel(cfg, dims.tp)
     block = matrices + gains
     root = (1 if m.tie_embeddings and dims.pp == 1 else 2) * m.vocab_size * m.dim // dims.tp + m.dim
     n_mb = pipeline_microbatches(p, dims.pp) if dims.pp > 1 else 1
     tokens = t.micro_batch_size // n_mb * t.seq_len  # (B, T) of one micro-batch (pipeline chunk)
-    r = _residual_bytes(cfg, dims)
+    r = residual_bytes(cfg, dims)
     path = []
     if dims.dp > 1 and p.data_parallel == "fsdp":
         pd = c  # FSDP's MixedPrecisionPolicy gathers parameters in the compute dtype

@@ -1,40 +1,57 @@
 """`trainbook plan`'s memory arithmetic: bytes per rank for parameters, gradients, optimizer
 states, activations (a per-block formula of this Llama, held against saved-tensor hooks in
-tests/dist/test_plan.py) and communication buffers, and the verdict against a device's memory."""
+tests/dist/test_plan.py) and communication buffers, and the verdict against a device's memory.
+`PlanInputs`, what a plan reads of a resolved recipe, lives here: the arithmetic reads it, and
+plan.py builds on this module."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from itertools import accumulate
-from typing import TYPE_CHECKING
 
+from trainbook.config import ModelConfig, ParallelConfig, TrainConfig
 from trainbook.parallel.dims import MESH_DIMS, ParallelDims
 from trainbook.sizes import human
 
-if TYPE_CHECKING:
-    from trainbook.parallel.plan import PlanInputs
+__all__ = [
+    "PlanInputs", "activation_terms", "activations", "block_numel", "compute_bytes", "human", "memory", "numel",
+    "rank_of", "residual_bytes", "schedule_actions", "weight_casts",
+]
 
-__all__ = ["activation_terms", "activations", "human", "schedule_actions", "weight_casts"]
+
+@dataclass(frozen=True)
+class PlanInputs:
+    """What a plan reads of a resolved recipe: the model, the batch, the layout, the compute dtype."""
+
+    model: ModelConfig
+    train: TrainConfig
+    parallel: ParallelConfig
+    dtype: str
+    """Compute dtype (precision.dtype): fp32, bf16 or fp16."""
 
 
-def _rank_of(dims: ParallelDims, coord: dict[str, int]) -> int:
+def rank_of(dims: ParallelDims, coord: dict[str, int]) -> int:
+    """The global rank at mesh coordinate `coord` (row-major over MESH_DIMS, as dims.py lays it out)."""
     rank = 0
     for name in MESH_DIMS:
         rank = rank * getattr(dims, name) + coord[name]
     return rank
 
 
-def _numel(shape: list[int]) -> int:
+def numel(shape: list[int]) -> int:
+    """The number of elements of a tensor of `shape`."""
     n = 1
     for s in shape:
         n *= s
     return n
 
 
-def _compute_bytes(cfg: PlanInputs) -> int:
+def compute_bytes(cfg: PlanInputs) -> int:
+    """The element size of the compute dtype: what activations and gathered weights take."""
     return 4 if cfg.dtype == "fp32" else 2  # bf16 (or fp16)
 
 
-def _block_numel(cfg: PlanInputs, tp: int) -> tuple[int, int]:
+def block_numel(cfg: PlanInputs, tp: int) -> tuple[int, int]:
     """(matrix elements per block on one tp rank, norm-gain elements per block)."""
     m = cfg.model
     kv = m.n_kv_heads * (m.dim // m.n_heads)
@@ -43,7 +60,7 @@ def _block_numel(cfg: PlanInputs, tp: int) -> tuple[int, int]:
 
 # ---- memory ------------------------------------------------------------------------------------
 
-def _residual_bytes(cfg: PlanInputs, dims: ParallelDims) -> int:
+def residual_bytes(cfg: PlanInputs, dims: ParallelDims) -> int:
     """The residual stream's element size: fp32, except when FSDP's mixed-precision policy hands
     the model bf16 weights (the embedding then returns bf16); autocast alone keeps it fp32."""
     fsdp = dims.dp > 1 and cfg.parallel.data_parallel == "fsdp"
@@ -54,7 +71,7 @@ def activation_terms(cfg: PlanInputs, samples: int, tp: int, r: int = 4) -> dict
     """Bytes saved for backward by one micro-batch of `samples` sequences, per part (this Llama).
 
     Per block, S = samples x seq_len tokens, D dim, Dkv kv dim, F ffn_dim, H heads, c compute bytes
-    (4 fp32, 2 bf16), r the residual stream's bytes (`_residual_bytes`); sequence parallel divides
+    (4 fp32, 2 bf16), r the residual stream's bytes (`residual_bytes`); sequence parallel divides
     the residual stream by tp, tensor parallel the heads and hidden units:
       each of the two norms, sequence-sharded (/ tp): its input in fp32 (the residual itself, or
         an fp32 copy when r = 2), 1/rms, normalised x in r bytes     2 (4 S D + 4 S + r S D)
@@ -74,7 +91,7 @@ def activation_terms(cfg: PlanInputs, samples: int, tp: int, r: int = 4) -> dict
     schedule, with and without checkpointing).
     """
     m, T = cfg.model, cfg.train.seq_len
-    c = _compute_bytes(cfg)
+    c = compute_bytes(cfg)
     S, D, F, H = samples * T, m.dim, m.ffn_dim, m.n_heads
     kv = m.n_kv_heads * (m.dim // m.n_heads)
     norm = (4 * S * D + 4 * S + r * S * D) // tp  # one norm, sequence-sharded
@@ -126,7 +143,7 @@ def activations(cfg: PlanInputs, dims: ParallelDims, pipeline: dict | None, pp_r
         n_mb = pipeline["microbatches"]
         samples = t.micro_batch_size // n_mb
         ops = schedule_actions(p.pp_schedule, n_mb, dims.pp, pp_rank, len(stages))
-    a = activation_terms(cfg, samples, dims.tp, _residual_bytes(cfg, dims))
+    a = activation_terms(cfg, samples, dims.tp, residual_bytes(cfg, dims))
     has_last = any(last for _, _, last in stages)
     # What a stage's micro-batch keeps after its forward; a pipeline stage also holds its output.
     outside = {"first": a["embedding"], "last": a["head"] + (a["stage_logits"] if pipeline else 0),
@@ -173,18 +190,22 @@ def _transient(cfg: PlanInputs, dims: ParallelDims, held: dict, grads: int) -> i
         return 0
     if cfg.parallel.data_parallel == "ddp":
         return grads
-    pd = _compute_bytes(cfg)
-    matrices, gains = _block_numel(cfg, dims.tp)
+    pd = compute_bytes(cfg)
+    matrices, gains = block_numel(cfg, dims.tp)
     names = held["params"]
-    root = sum(_numel(d["shape"]) // (dims.tp if "tp" in d["placements"] and d["placements"]["tp"] != "Replicate"
-                                      else 1)
+    root = sum(numel(d["shape"]) // (dims.tp if "tp" in d["placements"] and d["placements"]["tp"] != "Replicate"
+                                     else 1)
                for n, d in names.items() if not n.startswith("layers."))
     blocks = min(3, sum(1 for n in names if n.endswith("attention_norm.weight")))
     return root * pd + (matrices + gains) * (blocks * pd + 4)
 
 
-def _memory(ranks: dict[int, dict], dims: ParallelDims, cfg: PlanInputs, pipeline: dict | None,
-            limit: int | None) -> dict:
+def memory(ranks: dict[int, dict], dims: ParallelDims, cfg: PlanInputs, pipeline: dict | None,
+           limit: int | None) -> dict:
+    """The plan's memory section (`make_plan(...)["memory"]`) from `ranks` (rank -> what it holds,
+    as `plan.simulate` finds it): per rank its parameters, gradients, optimizer states, activations
+    and communication buffers; the largest rank; and, given a device of `limit` bytes, whether that
+    rank fits, with the verdict's line."""
     mode = cfg.train.activation_checkpoint
     rows: dict[int, dict] = {}
     for rank, held in ranks.items():
@@ -198,7 +219,7 @@ def _memory(ranks: dict[int, dict], dims: ParallelDims, cfg: PlanInputs, pipelin
                       "transient": transient, "total": total}
     per_rank = []
     for rank in range(dims.world_size):  # replicas hold what their dp_replicate-0 twin holds
-        twin = _rank_of(dims, dims.coordinate(rank) | {"dp_replicate": 0})
+        twin = rank_of(dims, dims.coordinate(rank) | {"dp_replicate": 0})
         if twin in rows:
             per_rank.append({"rank": rank, **rows[twin]})
     worst = max(per_rank, key=lambda r: r["total"])
