@@ -30,7 +30,6 @@ the compiled block outputs do (inductor's float32 reordering, well under 1e-5 re
 from __future__ import annotations
 
 import math
-import re
 import time
 from collections.abc import Callable
 
@@ -38,38 +37,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from trainbook.diagnose.blocks import block_of, block_order, squared_norm, unwrapped
 from trainbook.monitor.report import LayerReport
 from trainbook.parallel.runtime import Runtime
-
-_BLOCK = re.compile(r"(?:^|\.)(layers\.\d+)(?:\.|$)")
-_WRAPPERS = ("_orig_mod", "_checkpoint_wrapped_module", "_fsdp_wrapped_module", "module")
-
-
-def block_of(name: str) -> str:
-    """The block a parameter (or module) name belongs to, wrappers' name parts ignored."""
-    parts = [p for p in name.split(".") if p not in _WRAPPERS]
-    match = _BLOCK.search(".".join(parts))
-    if match:
-        return match.group(1)
-    if "tok_embeddings" in parts:
-        return "embed"
-    if "output" in parts:
-        return "output"
-    if "norm" in parts:
-        return "norm"
-    return parts[0] if parts else name
-
-
-def _sq(t: torch.Tensor | None, device: torch.device) -> torch.Tensor:
-    """The squared L2 norm of a whole tensor (float64, 0-d): a DTensor's over all its shards, by
-    DTensor's own reduction, which knows its placements (a 2-D FSDP x TP weight's, or the
-    Replicate-labelled gradient torch gives a tensor-parallel embedding), as clipping takes it."""
-    if t is None:
-        return torch.zeros((), dtype=torch.float64, device=device)
-    if hasattr(t, "full_tensor"):
-        return torch.linalg.vector_norm(t, dtype=torch.float64).full_tensor().square()
-    return t.double().square().sum()
-
 
 class _ActStats:
     """Running sums of one block's output over a step: count, sum, sum of squares, max |x|, zeros."""
@@ -115,7 +85,7 @@ class LayerStats:
         self.acts: dict[str, _ActStats] = {}
         self.hooks = []
         for name, module in model.named_modules():
-            parts = [p for p in name.split(".") if p not in _WRAPPERS]
+            parts = unwrapped(name)
             if len(parts) >= 2 and parts[-2] == "layers" and parts[-1].isdigit():
                 self.hooks.append(module.register_forward_hook(self._hook(f"layers.{parts[-1]}")))
         self._grad_sq: list[torch.Tensor] | None = None
@@ -145,7 +115,7 @@ class LayerStats:
         """Gradients are final (reduced, unscaled) and not yet clipped: measure them."""
         if not self.armed:
             return
-        self._grad_sq = [_sq(p.grad, self.device) for _, p in self.named]
+        self._grad_sq = [squared_norm(p.grad, self.device) for _, p in self.named]
 
     def before_update(self) -> None:
         """A copy of the weights as they are before the optimizer step (this rank's shards: one
@@ -162,9 +132,9 @@ class LayerStats:
         if self._before is None:  # the step was skipped (fp16 overflow): weights unchanged
             self._before = [p.detach().clone() for p in params]
         before, n = self._before, len(params)
-        grad_sq = self._grad_sq or [_sq(None, self.device)] * n
-        squares = torch.stack(grad_sq + [_sq(b, self.device) for b in before]
-                              + [_sq(p.detach() - b, self.device) for p, b in zip(params, before)])
+        grad_sq = self._grad_sq or [squared_norm(None, self.device)] * n
+        squares = torch.stack(grad_sq + [squared_norm(b, self.device) for b in before]
+                              + [squared_norm(p.detach() - b, self.device) for p, b in zip(params, before)])
         self._grad_sq, self._before = None, None
         values = squares.tolist()  # one device sync for all of them
         rows = list(zip(values[:n], values[n:2 * n], values[2 * n:]))
@@ -192,7 +162,7 @@ class LayerStats:
                 blocks.setdefault(key, {}).update(value)
             for key, value in part["groups"].items():  # a group spans stages: add them up
                 groups[key] = [a + b for a, b in zip(groups.get(key, [0.0, 0.0, 0.0]), value)]
-        return LayerReport(step=step, blocks=dict(sorted(blocks.items(), key=_block_order)),
+        return LayerReport(step=step, blocks=dict(sorted(blocks.items(), key=lambda kv: block_order(kv[0]))),
                            groups={k: _norms(v) for k, v in sorted(groups.items())}, time=time.time())
 
     def _activations(self) -> dict:
@@ -237,12 +207,3 @@ def _sum_by(keys: list[str], rows: list[tuple[float, float, float]]) -> dict[str
 def _norms(sq: list[float]) -> dict[str, float]:
     grad, param, update = (math.sqrt(v) for v in sq)
     return {"grad_norm": grad, "param_norm": param, "update_ratio": update / param if param > 0 else 0.0}
-
-
-def _block_order(item: tuple[str, dict]) -> tuple:
-    name = item[0]
-    if name == "embed":
-        return (0, 0)
-    if name.startswith("layers."):
-        return (1, int(name.split(".")[1]))
-    return (2, name != "norm", name)

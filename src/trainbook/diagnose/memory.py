@@ -13,11 +13,12 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from trainbook.diagnose.blocks import block_index
+
 # The allocators' own words: CPU (c10's DefaultCPUAllocator, a plain RuntimeError), CUDA and NPU
 # (torch.OutOfMemoryError, or a RuntimeError from older builds and extensions).
 OOM_MESSAGES = ("DefaultCPUAllocator: can't allocate memory", "CUDA out of memory", "NPU out of memory",
                 "out of memory")
-BLOCK = re.compile(r"(?:.*\.)?layers\.(\d+)")  # model/llama.py: blocks live in `layers` (a ModuleDict)
 
 
 def out_of_memory_error(error: BaseException) -> BaseException | None:
@@ -50,9 +51,9 @@ def blocks_of(model: nn.Module) -> dict[str, nn.Module]:
     checkpointing the wrapper, whose forward runs the block)."""
     out = {}
     for name, module in model.named_modules():
-        match = BLOCK.fullmatch(name)
-        if match:
-            out[f"block {match.group(1)}"] = module
+        index = block_index(name)
+        if index is not None:
+            out[f"block {index}"] = module
     return out
 
 

@@ -44,7 +44,7 @@ from trainbook.config import TriageConfig
 from trainbook.data import Prepared
 from trainbook.data.loader import Batch, TrainLoader
 from trainbook.data.provenance import batch_rows, document_span
-from trainbook.diagnose.layers import _WRAPPERS, _block_order, _sq, block_of
+from trainbook.diagnose.blocks import block_of, block_order, squared_norm, unwrapped
 from trainbook.monitor.alerts import robust_z
 from trainbook.parallel.runtime import Runtime
 
@@ -136,7 +136,7 @@ def _tensors(output) -> list[torch.Tensor]:
 
 def module_path(name: str) -> str:
     """A module's name in the model as written (wrappers' name parts dropped)."""
-    return ".".join(p for p in name.split(".") if p not in _WRAPPERS) or "(model)"
+    return ".".join(unwrapped(name)) or "(model)"
 
 
 class Locator:
@@ -336,7 +336,7 @@ class Triage:
         def observe() -> None:
             sums: dict[str, float] = {}
             params = [(block_of(n), p) for n, p in model.named_parameters() if p.requires_grad]
-            squares = torch.stack([_sq(p.grad, self.rt.device) for _, p in params]).tolist() if params else []
+            squares = torch.stack([squared_norm(p.grad, self.rt.device) for _, p in params]).tolist() if params else []
             for (block, _), sq in zip(params, squares):
                 sums[block] = sums.get(block, 0.0) + sq
             # One rank per pipeline stage speaks for it (the others hold the same global sums).
@@ -351,7 +351,7 @@ class Triage:
                 if part["speaks"]:
                     for block, sq in part["sums"].items():
                         merged[block] = merged.get(block, 0.0) + sq
-            self.grad_norms = {b: math.sqrt(v) for b, v in sorted(merged.items(), key=_block_order)}
+            self.grad_norms = {b: math.sqrt(v) for b, v in sorted(merged.items(), key=lambda kv: block_order(kv[0]))}
         self.grad_norms: dict[str, float] = {}
         return observe
 
