@@ -54,16 +54,12 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
-from typing import TYPE_CHECKING
 
 from trainbook.config import AlertsConfig
 from trainbook.config.secrets import is_redacted
 from trainbook.monitor.destinations import AlertCommand, Webhook
-from trainbook.monitor.report import Alert, EvalReport, StepReport
+from trainbook.monitor.report import Alert, EvalReport, RunInfo, StepReport
 from trainbook.monitor.sinks import Monitors, Sink
-
-if TYPE_CHECKING:
-    from trainbook.monitor.build import RunInfo
 
 MAD_TO_SIGMA = 1.4826  # MAD of a normal distribution times this is its standard deviation
 RECENT = 3  # steps whose median throughput is compared with the window's

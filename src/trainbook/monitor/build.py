@@ -7,29 +7,14 @@ Prometheus, W&B/MLflow), fires alerts and drives the console; every rank keeps i
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
-from pathlib import Path
 
 from trainbook.config import AlertsConfig, LogConfig, MonitorConfig
 from trainbook.monitor.alerts import add_alerts
 from trainbook.monitor.external import external_sinks
+from trainbook.monitor.report import RunInfo
 from trainbook.monitor.sinks import (
     AlertEvents, EventLog, LayersFile, LogLines, MetricsFile, Monitors, console_monitor,
 )
-from trainbook.phase import PhaseTracker
-
-
-@dataclass(frozen=True)
-class RunInfo:
-    """What monitors may know about the run besides its reports."""
-
-    run_dir: Path
-    run_name: str
-    rank: int
-    world_size: int
-    max_steps: int
-    tracker: PhaseTracker | None = None
-    """What this rank is doing now (a stall alert says where the loop is stuck)."""
 
 
 def build_monitors(info: RunInfo, log: LogConfig, monitor: MonitorConfig, alerts: AlertsConfig,

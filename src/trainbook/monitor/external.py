@@ -15,17 +15,14 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from typing import TYPE_CHECKING
 
 from trainbook.config import LogConfig, MonitorConfig
 from trainbook.monitor.background import Background
 from trainbook.monitor.logs import LOGGER_NAME
 from trainbook.monitor.prometheus import check_endpoint
+from trainbook.monitor.report import RunInfo
 from trainbook.monitor.sinks import Sink
 from trainbook.monitor.trackers import check_installed
-
-if TYPE_CHECKING:
-    from trainbook.monitor.build import RunInfo
 
 
 def check_sinks(monitor: MonitorConfig) -> None:

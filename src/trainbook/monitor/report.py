@@ -1,10 +1,14 @@
-"""The facts one training step produces. The trainer makes them; monitors only read them."""
+"""The facts one training step produces, and what monitors know of the run besides (`RunInfo`).
+The trainer makes them; monitors only read them."""
 
 from __future__ import annotations
 
 import math
 import statistics
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from trainbook.phase import PhaseTracker
 
 
 @dataclass(frozen=True)
@@ -59,6 +63,19 @@ class RankTimes:
 
 def _others_median(values: list[float], rank: int) -> float:
     return statistics.median(v for r, v in enumerate(values) if r != rank)
+
+
+@dataclass(frozen=True)
+class RunInfo:
+    """What monitors may know about the run besides its reports."""
+
+    run_dir: Path
+    run_name: str
+    rank: int
+    world_size: int
+    max_steps: int
+    tracker: PhaseTracker | None = None
+    """What this rank is doing now (a stall alert says where the loop is stuck)."""
 
 
 @dataclass(frozen=True)
