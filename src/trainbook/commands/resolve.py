@@ -23,6 +23,7 @@ from trainbook.model import resolve as resolve_model
 from trainbook.model.registry import FROM_HF
 from trainbook.parallel.device import device_memory_bytes, pick_device
 from trainbook.parallel.dims import ParallelDims, pipeline_microbatches, resolve_dims
+from trainbook.parallel.heads import check_heads
 from trainbook.parallel.plan_memory import PlanInputs
 
 
@@ -126,10 +127,7 @@ def with_hf_model(cfg: Config) -> Config:
 
 def _check_model_layout(cfg: Config, dims: ParallelDims, where: str) -> None:
     m, p = cfg.model, cfg.parallel
-    for heads in ("n_heads", "n_kv_heads"):
-        if getattr(m, heads) % dims.tp:
-            raise TrainbookError(f"model.{heads} = {getattr(m, heads)} is not divisible by tp = {dims.tp}",
-                                 where=f"{where}: parallel.tp")
+    check_heads(m, dims.tp, where)
     if dims.pp == 1:
         return
     if cfg.precision.dtype == "fp16":

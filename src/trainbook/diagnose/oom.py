@@ -52,6 +52,7 @@ from trainbook.errors import DiagnosedFailure, TrainbookError, one_line
 from trainbook.monitor import EventLog
 from trainbook.parallel.device import device_memory_bytes, memory_facts
 from trainbook.parallel.dims import ParallelDims, pipeline_microbatches, resolve_dims
+from trainbook.parallel.heads import check_heads
 from trainbook.parallel.plan import memory_estimates
 from trainbook.parallel.plan_memory import PlanInputs, activation_terms, residual_bytes
 from trainbook.parallel.runtime import Runtime
@@ -128,9 +129,10 @@ def _layout_candidate(inputs: PlanInputs, dims: ParallelDims, layout: ParallelDi
     parallel = p.model_copy(update=degrees)
     try:
         resolve_dims(parallel, layout.world_size, "")
+        check_heads(m, layout.tp, "")
     except TrainbookError:
         return None
-    if m.n_heads % layout.tp or m.n_kv_heads % layout.tp or tokens % (t.seq_len * t.micro_batch_size * layout.dp):
+    if tokens % (t.seq_len * t.micro_batch_size * layout.dp):
         return None
     overrides = tuple(f"parallel.{k}={v}" for k, v in degrees.items() if getattr(p, k) != v)
     if layout.dp != dims.dp:

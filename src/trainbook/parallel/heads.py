@@ -1,0 +1,16 @@
+"""What tensor parallel asks of a model's attention: it shards heads, so the query heads and the
+key/value heads both divide among the tp ranks (model/llama.py reshapes with -1 for this share).
+Checked in the one resolution (an error) and by the OOM advice (a layout it does not suggest)."""
+
+from __future__ import annotations
+
+from trainbook.config import ModelConfig
+from trainbook.errors import TrainbookError
+
+
+def check_heads(model: ModelConfig, tp: int, where: str) -> None:
+    """Raises a TrainbookError at `where`'s parallel.tp when a head count is not divisible by `tp`."""
+    for heads in ("n_heads", "n_kv_heads"):
+        if getattr(model, heads) % tp:
+            raise TrainbookError(f"model.{heads} = {getattr(model, heads)} is not divisible by tp = {tp}",
+                                 where=f"{where}: parallel.tp")
