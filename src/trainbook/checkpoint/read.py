@@ -13,7 +13,7 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from trainbook.checkpoint.metadata import SafeReader, read_metadata
 from trainbook.checkpoint.store import (
-    LATEST, MANIFEST, InvalidCheckpoint, _no_dist, _single_process_ok, file_crc32, step_of,
+    LATEST, MANIFEST, InvalidCheckpoint, file_crc32, no_dist, single_process_ok, step_of,
 )
 from trainbook.config import dotted_keys as flatten  # nested state -> the keys DCP stores
 from trainbook.errors import TrainbookError
@@ -109,9 +109,9 @@ def load_state(path: Path, state: dict) -> None:
                 f"{key}: checkpoint has shape {tuple(entries[key].size)}, this run has {tuple(tensor.shape)}",
                 where=str(path),
             )
-    with _single_process_ok():
+    with single_process_ok():
         # DCP reads .metadata again itself: through the same allow-list.
-        dcp.load(state, storage_reader=SafeReader(path), no_dist=_no_dist())
+        dcp.load(state, storage_reader=SafeReader(path), no_dist=no_dist())
 
 
 def locate(target: Path) -> tuple[Path, Path]:

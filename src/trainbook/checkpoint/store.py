@@ -53,14 +53,16 @@ class InvalidCheckpoint(Exception):
 
 
 @contextlib.contextmanager
-def _single_process_ok():
-    # DCP warns that it assumes a single process when no process group exists: that is intended.
+def single_process_ok():
+    """DCP warns that it assumes a single process when no process group exists: that is intended,
+    and silenced inside this block."""
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
         yield
 
 
-def _no_dist() -> bool:
+def no_dist() -> bool:
+    """No process group: DCP saves and loads in this process alone (its `no_dist`)."""
     return not (dist.is_available() and dist.is_initialized())
 
 
@@ -174,8 +176,8 @@ class Checkpointer:
         # torch.save (inside DCP) computes a CRC-32 of every record that nothing here reads: the
         # manifest's CRC-32 covers every byte already. Process-wide, since async saves run in a thread.
         torch.serialization.set_crc32_options(False)
-        if cfg.mode == "async" and _no_dist():
-            # The upload thread runs outside _single_process_ok(); one process is intended there too.
+        if cfg.mode == "async" and no_dist():
+            # The upload thread runs outside single_process_ok(); one process is intended there too.
             warnings.filterwarnings("ignore", message="torch.distributed is disabled")
 
     # ---- when -------------------------------------------------------------------------------
@@ -209,9 +211,9 @@ class Checkpointer:
         writer = _writer(tmp, step)
         started = time.perf_counter()
         info = dict(info or {})
-        with _single_process_ok():
+        with single_process_ok():
             if self._finisher is None:
-                dcp.save(state, storage_writer=writer, no_dist=_no_dist())
+                dcp.save(state, storage_writer=writer, no_dist=no_dist())
                 self._commit(step, tmp, writer.fs.crcs, info, started)
             else:
                 self._staging = Future()
@@ -245,7 +247,7 @@ class Checkpointer:
         # All of dcp.async_save (planning, handing the state to the stager) runs here, off the
         # training thread; `staged` tells that thread when the state has been copied aside.
         try:
-            response = dcp.async_save(state, storage_writer=writer, async_stager=self._stager, no_dist=_no_dist())
+            response = dcp.async_save(state, storage_writer=writer, async_stager=self._stager, no_dist=no_dist())
             response.staging_completion.result()
         except BaseException as e:
             staged.set_exception(e)
@@ -357,7 +359,7 @@ class Checkpointer:
 
 def any_rank(flag: bool) -> bool:
     """True on every rank when `flag` is true on any rank (a no-op in one process)."""
-    if _no_dist():
+    if no_dist():
         return flag
     t = torch.tensor([int(flag)])
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
@@ -365,5 +367,5 @@ def any_rank(flag: bool) -> bool:
 
 
 def _barrier() -> None:
-    if not _no_dist():
+    if not no_dist():
         dist.barrier()
