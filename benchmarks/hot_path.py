@@ -25,7 +25,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
-from trainbook.config.schema import ModelConfig  # noqa: E402
+from trainbook.config.model import ModelConfig  # noqa: E402
 from trainbook.model.llama import Block, apply_rope, rope_tables  # noqa: E402
 from trainbook.model.registry import resolve  # noqa: E402
 

@@ -29,7 +29,7 @@ from pathlib import Path
 
 PREPARE_SNIPPET = """
 import json, resource, sys, time
-from trainbook.config.schema import DataConfig, TokenizerConfig
+from trainbook.config.data import DataConfig, TokenizerConfig
 from trainbook.data import prepare
 args = json.loads(sys.argv[1])
 start = time.perf_counter()

@@ -24,7 +24,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from trainbook.config.schema import ALERT_RULES
+from trainbook.config.monitor import ALERT_RULES
 
 OFF = "alerts.rules=[" + ", ".join(f'"{r}"' for r in ALERT_RULES if r != "straggler") + "]"
 

@@ -30,7 +30,7 @@ sys.path.insert(0, str(REPO / "src"))
 
 import torch  # noqa: E402
 
-from trainbook.config.schema import ModelConfig  # noqa: E402
+from trainbook.config.model import ModelConfig  # noqa: E402
 from trainbook.model.registry import resolve  # noqa: E402
 from trainbook.monitor.flops import matmul_flops, model_flops_per_token  # noqa: E402
 

@@ -23,7 +23,7 @@ import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.module_tracker import ModuleTracker
 
-from trainbook.config.schema import ModelConfig
+from trainbook.config.model import ModelConfig
 from trainbook.model import build_model, resolve
 from trainbook.parallel.apply import ApplyOptions, parallelize
 from trainbook.parallel.dims import ParallelDims

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import prepared_recipe, run_cli
-from trainbook.config.schema import ALERT_RULES
+from trainbook.config.monitor import ALERT_RULES
 
 pytestmark = pytest.mark.slow
 

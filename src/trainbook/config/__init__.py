@@ -1,27 +1,16 @@
 """Recipe schema, loading (`extends`, overrides), validation and the resolved dump."""
 
+from trainbook.config.checkpoint import CheckpointConfig
+from trainbook.config.data import DataConfig, SourceConfig, TokenizerConfig
+from trainbook.config.diagnose import DiagnoseConfig, TriageConfig
 from trainbook.config.load import dotted_keys, dump_toml, load_config, parse_override
+from trainbook.config.model import ModelConfig
+from trainbook.config.monitor import ALERT_RULES, AlertsConfig, LogConfig, MonitorConfig
+from trainbook.config.parallel import ParallelConfig
+from trainbook.config.run import RunConfig
+from trainbook.config.schema import Config
 from trainbook.config.secrets import redact_tree, scrub, secret_values
-from trainbook.config.schema import (
-    ALERT_RULES,
-    AlertsConfig,
-    CheckpointConfig,
-    Config,
-    DataConfig,
-    DiagnoseConfig,
-    LogConfig,
-    MonitorConfig,
-    ModelConfig,
-    OptimConfig,
-    ParallelConfig,
-    PrecisionConfig,
-    RunConfig,
-    ScheduleConfig,
-    SourceConfig,
-    TokenizerConfig,
-    TrainConfig,
-    TriageConfig,
-)
+from trainbook.config.train import OptimConfig, PrecisionConfig, ScheduleConfig, TrainConfig
 
 __all__ = [
     "ALERT_RULES", "AlertsConfig", "MonitorConfig", "CheckpointConfig", "Config", "DataConfig", "DiagnoseConfig", "LogConfig", "ModelConfig", "OptimConfig",

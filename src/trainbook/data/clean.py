@@ -9,7 +9,7 @@ from __future__ import annotations
 import re
 import unicodedata
 
-from trainbook.config.schema import CleanConfig
+from trainbook.config.data import CleanConfig
 
 # Unicode category Cc (C0 controls, DEL, C1 controls) except tab and newline. Only Cc: format
 # characters (Cf: zero-width joiners, soft hyphens, direction marks) carry meaning in some

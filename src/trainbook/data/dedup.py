@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from trainbook.config.schema import DedupConfig
+from trainbook.config.data import DedupConfig
 
 if TYPE_CHECKING:  # datasketch (and scipy under it) is imported when data is prepared, not by every worker
     from datasketch import MinHash, MinHashLSH

@@ -19,7 +19,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
-from trainbook.config.schema import DataConfig, SourceConfig
+from trainbook.config.data import DataConfig, SourceConfig
 from trainbook.data.clean import Cleaner
 from trainbook.data.dedup import Deduplicator
 from trainbook.data.sources import SourceStats, iter_documents, resolve_paths

@@ -31,7 +31,7 @@ import numpy as np
 import tokenizers
 
 from trainbook.atomic import atomic_write_json
-from trainbook.config.schema import DataConfig, TokenizerConfig
+from trainbook.config.data import DataConfig, TokenizerConfig
 from trainbook.data.documents import Document, DocumentStream
 from trainbook.data.shards import ShardWriter, TokenStream, token_dtype, verify_shard
 from trainbook.data.sources import resolve_paths

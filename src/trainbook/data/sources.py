@@ -27,7 +27,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import zstandard
 
-from trainbook.config.schema import SourceConfig
+from trainbook.config.data import SourceConfig
 from trainbook.errors import TrainbookError
 
 PKG_SCHEME = "pkg://"

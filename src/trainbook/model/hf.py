@@ -17,7 +17,7 @@ import re
 
 import torch
 
-from trainbook.config.schema import ModelConfig
+from trainbook.config.model import ModelConfig
 from trainbook.model.registry import is_resolved, resolve
 
 # trainbook name -> HF name, for the parameters outside the blocks.

@@ -21,7 +21,7 @@ import torch
 from pydantic import ValidationError
 from safetensors import safe_open
 
-from trainbook.config.schema import ModelConfig
+from trainbook.config.model import ModelConfig
 from trainbook.errors import TrainbookError, one_line
 from trainbook.model.hf import to_hf_name
 from trainbook.model.registry import FROM_HF, is_resolved, resolve

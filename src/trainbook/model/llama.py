@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from trainbook.config.schema import ModelConfig
+from trainbook.config.model import ModelConfig
 from trainbook.errors import TrainbookError
 from trainbook.model.loss import ChunkedLoss, full_cross_entropy, linear_cross_entropy
 from trainbook.model.registry import is_resolved, resolve

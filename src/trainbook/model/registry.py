@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import difflib
 
-from trainbook.config.schema import ModelConfig
+from trainbook.config.model import ModelConfig
 from trainbook.errors import TrainbookError
 
 # The architecture fields every entry must define (everything in ModelConfig but the name).

@@ -1,6 +1,6 @@
 from __future__ import annotations
 
-from trainbook.config.schema import CleanConfig
+from trainbook.config.data import CleanConfig
 from trainbook.data.clean import COUNT_KEYS, Cleaner
 
 

@@ -2,7 +2,7 @@ from __future__ import annotations
 
 import random
 
-from trainbook.config.schema import DedupConfig
+from trainbook.config.data import DedupConfig
 from trainbook.data.dedup import Deduplicator
 
 # Made-up prose: a vocabulary large enough that unrelated documents share almost no 5-grams.

@@ -9,7 +9,7 @@ import time
 import numpy as np
 import pytest
 
-from trainbook.config.schema import DataConfig, DedupConfig, SourceConfig, TokenizerConfig
+from trainbook.config.data import DataConfig, DedupConfig, SourceConfig, TokenizerConfig
 from trainbook.data import Prepared, prepare
 from trainbook.data.documents import DocumentStream, unit_hash
 from trainbook.data.shards import read_index, verify_shard
@@ -174,7 +174,7 @@ def test_interrupted_prepare_leaves_nothing_readable_and_a_rerun_finishes(tmp_pa
     root = write_files({f"{i:03d}.txt": hamlet[(i % 60) * 2000 : (i % 60 + 1) * 2000] + f"\n{i}" for i in range(600)})
     data = DataConfig(sources=[SourceConfig(name="s", paths=[f"{root}/*.txt"])],
                       cache_dir=str(tmp_path / "cache"), shard_tokens=4096)
-    code = ("import sys; from trainbook.config.schema import *; from trainbook.data import prepare;"
+    code = ("import sys; from trainbook.config.data import DataConfig, TokenizerConfig; from trainbook.data import prepare;"
             "prepare(DataConfig.model_validate_json(sys.argv[1]), TokenizerConfig(vocab_size=300), seed=0)")
     proc = subprocess.Popen([sys.executable, "-c", code, data.model_dump_json()])
     deadline = time.monotonic() + 60

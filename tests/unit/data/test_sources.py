@@ -11,7 +11,7 @@ import pyarrow.parquet as pq
 import pytest
 import zstandard
 
-from trainbook.config.schema import SourceConfig
+from trainbook.config.data import SourceConfig
 from trainbook.data import sources
 from trainbook.data.sources import SourceStats, iter_documents, markdown_to_text, resolve_paths
 from trainbook.errors import TrainbookError
@@ -127,7 +127,7 @@ for i in range(3):
     sets[i] &= ~((1 << 1) | (1 << 2)) & 0xFFFFFFFF  # CAP_DAC_OVERRIDE, CAP_DAC_READ_SEARCH
 if libc.capset(header, sets) != 0:
     raise OSError(ctypes.get_errno(), "capset")
-from trainbook.config.schema import SourceConfig
+from trainbook.config.data import SourceConfig
 from trainbook.data.sources import iter_documents
 from trainbook.errors import TrainbookError
 try:

@@ -23,7 +23,7 @@ import tiktoken.load
 import tokenizers
 from tiktoken_ext import openai_public
 
-from trainbook.config.schema import TokenizerConfig
+from trainbook.config.data import TokenizerConfig
 from trainbook.data.tokenizer import Tokenizer, build_tokenizer
 from trainbook.data.tokenizer.tiktoken_bpe import ENCODING_FILE, ENCODINGS
 from trainbook.errors import TrainbookError

@@ -18,7 +18,7 @@ import tiktoken.load
 import tokenizers
 from tokenizers import decoders, models, pre_tokenizers
 
-from trainbook.config.schema import TokenizerConfig
+from trainbook.config.data import TokenizerConfig
 from trainbook.data.tokenizer import (
     META_FILE,
     PIECE_CHARS,

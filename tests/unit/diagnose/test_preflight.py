@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from trainbook.config import load_config
-from trainbook.config.schema import EnvConfig
+from trainbook.config.book import EnvConfig
 from trainbook.diagnose.preflight import (
     checkpoint_bytes, disk_row, matmul_rows, outliers, version_row, version_rows,
 )

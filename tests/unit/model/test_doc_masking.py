@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from trainbook.config.schema import ModelConfig
+from trainbook.config.model import ModelConfig
 from trainbook.model import build_model
 from trainbook.model.llama import document_mask
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from trainbook.config.schema import ModelConfig
+from trainbook.config.model import ModelConfig
 from trainbook.model import build_model, resolve
 from trainbook.model.hf import from_hf_name, hf_config, to_hf_name, to_hf_state_dict
 

@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from trainbook.config.schema import ModelConfig
+from trainbook.config.model import ModelConfig
 from trainbook.errors import TrainbookError
 from trainbook.model import Llama, build_model, flops_per_token, names, num_params, resolve
 from trainbook.model.llama import apply_rope, rope_tables

@@ -2,7 +2,7 @@
 
 import pytest
 
-from trainbook.config.schema import ModelConfig
+from trainbook.config.model import ModelConfig
 from trainbook.errors import TrainbookError
 from trainbook.model import names, resolve
 from trainbook.model.registry import REGISTRY, is_resolved, source

@@ -15,7 +15,7 @@ import pytest
 import torch.distributed as dist
 from torch import nn
 
-from trainbook.config.schema import ModelConfig
+from trainbook.config.model import ModelConfig
 from trainbook.errors import TrainbookError
 from trainbook.model import build_model, names, num_params, resolve
 from trainbook.model.llama import RMSNorm

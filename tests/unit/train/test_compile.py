@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from trainbook.config import Config
-from trainbook.config.schema import ModelConfig
+from trainbook.config.model import ModelConfig
 from trainbook.data.loader import Batch
 from trainbook.model import build_model, resolve
 from trainbook.parallel.apply import ApplyOptions, parallelize

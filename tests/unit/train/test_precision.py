@@ -15,7 +15,7 @@ from torch.utils._pytree import tree_leaves
 from torch.utils.module_tracker import ModuleTracker
 
 from trainbook.config import PrecisionConfig
-from trainbook.config.schema import ModelConfig
+from trainbook.config.model import ModelConfig
 from trainbook.data.loader import Batch
 from trainbook.model import build_model, llama, resolve
 from trainbook.precision import COMPUTE_DTYPES, FP32_OPS, LossScaler, Precision

@@ -17,7 +17,7 @@ from collections.abc import Callable, Iterable
 
 import numpy as np
 
-from trainbook.config.schema import TokenizerConfig
+from trainbook.config.data import TokenizerConfig
 from trainbook.data.tokenizer.base import META_FILE, Tokenizer, backend_class
 from trainbook.data.tokenizer.hf import PIECE_CHARS, HFTokenizer, train_bpe
 from trainbook.data.tokenizer.hf_dir import hf_tokenizer_config, match_post_processor

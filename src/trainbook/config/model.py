@@ -1,0 +1,43 @@
+"""`[model]`: the architecture, a registry entry or a Hugging Face config.json with overrides,
+and the weights it starts from."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field
+
+from trainbook.config.section import Section
+
+
+class ModelConfig(Section):
+    name: str = "tiny"
+    """A registry name (`trainbook.model.registry`), or `from_hf`: the architecture of `init_from`'s
+    config.json; the fields below override its values."""
+    init_from: str | None = None
+    """`hf:PATH`: start from a Hugging Face Llama directory's weights (and use its tokenizer)."""
+    resize_init: Literal["mean", "normal"] = "mean"
+    """Rows added when `vocab_size` exceeds the imported vocabulary: the mean of the existing
+    embeddings, or normal(0, init_std)."""
+    dim: int | None = Field(default=None, ge=1)
+    """Hidden size."""
+    n_layers: int | None = Field(default=None, ge=1)
+    """Number of transformer blocks."""
+    n_heads: int | None = Field(default=None, ge=1)
+    """Attention heads."""
+    n_kv_heads: int | None = Field(default=None, ge=1)
+    """Key/value heads (grouped-query attention); must divide `n_heads`."""
+    vocab_size: int | None = Field(default=None, ge=1)
+    """Embedding rows; must be at least the tokenizer's vocabulary."""
+    ffn_dim: int | None = Field(default=None, ge=1)
+    """SwiGLU hidden size."""
+    norm_eps: float | None = Field(default=None, gt=0)
+    """RMSNorm epsilon."""
+    rope_theta: float | None = Field(default=None, gt=0)
+    """RoPE base frequency."""
+    max_seq_len: int | None = Field(default=None, ge=1)
+    """Longest sequence the RoPE table covers."""
+    tie_embeddings: bool | None = None
+    """Share the token embedding with the output head."""
+    init_std: float | None = Field(default=None, gt=0)
+    """Standard deviation of the normal weight init (output projections scaled by depth)."""

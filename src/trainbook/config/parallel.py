@@ -1,0 +1,67 @@
+"""`[parallel]`: how the world's ranks are laid out, the pipeline's schedule, and how long a rank
+waits on a collective before the hang watchdog and the timeout act."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field, ValidationInfo, field_validator, model_validator
+
+from trainbook.config.section import Section
+
+
+class ParallelConfig(Section):
+    """How the world's ranks are laid out: dp_replicate x dp_shard x tp x pp = world size.
+
+    One degree may be -1: it takes whatever the others leave of the world size.
+    """
+
+    dp_replicate: int = Field(default=1, ge=-1)
+    """Data-parallel replicas: the outer dimension of HSDP, or DDP's degree with `data_parallel = "ddp"`."""
+    dp_shard: int = Field(default=-1, ge=-1)
+    """Fully-sharded data parallel degree (FSDP2); -1 (default): the rest of the world."""
+    tp: int = Field(default=1, ge=-1)
+    """Tensor-parallel degree (with sequence parallel); must divide the heads and KV heads."""
+    pp: int = Field(default=1, ge=-1)
+    """Pipeline-parallel degree (ranks, each holding one or more stages)."""
+    data_parallel: Literal["fsdp", "ddp"] = "fsdp"
+    """`fsdp`: FSDP2 over dp_shard (HSDP when dp_replicate > 1 too); `ddp`: replicate (needs dp_shard = 1)."""
+    pp_schedule: Literal["gpipe", "1f1b", "interleaved1f1b"] = "1f1b"
+    """Pipeline schedule."""
+    pp_microbatches: int | None = Field(default=None, ge=1)
+    """Micro-batches per pipeline pass (each micro-batch of `train.micro_batch_size` is cut into
+    these); unset: the number of stages."""
+    pp_split: list[int] | None = None
+    """Layers per stage, e.g. [3, 3, 2]; unset: stages balanced by parameter count."""
+    pp_stages_per_rank: int = Field(default=1, ge=1)
+    """Stages each pipeline rank holds (`interleaved1f1b` needs >= 2)."""
+    timeout_s: float = Field(default=600.0, gt=0)
+    """Collective timeout: a rank waiting longer than this on a collective fails with its name."""
+    hang_timeout_s: float | None = Field(default=None, ge=0)
+    """Hang watchdog (diagnose/hang.py): when no rank advances for this long, every rank writes its
+    stacks to `hang/` and the run stops with a who-waits-for-whom verdict (exit 3). Unset: half of
+    `timeout_s`; 0 turns the watchdog off. Must be below `timeout_s`, so the stacks are taken
+    before a collective timeout kills anything."""
+
+    @field_validator("hang_timeout_s")
+    @classmethod
+    def _hang_below_timeout(cls, v: float | None, info: ValidationInfo) -> float | None:
+        timeout = info.data.get("timeout_s")
+        if v is not None and timeout is not None and v >= timeout:
+            raise ValueError(f"must be below parallel.timeout_s ({timeout:g} s), so the stacks are taken "
+                             f"before a collective timeout kills anything; got {v:g}")
+        return v
+
+    @property
+    def hang_watch_s(self) -> float:
+        """The hang watchdog's timeout in seconds; 0: off."""
+        return self.timeout_s / 2 if self.hang_timeout_s is None else self.hang_timeout_s
+
+    @model_validator(mode="after")
+    def _one_rest(self) -> ParallelConfig:
+        degrees = {k: getattr(self, k) for k in ("dp_replicate", "dp_shard", "tp", "pp")}
+        if any(v == 0 for v in degrees.values()):
+            raise ValueError("parallel degrees are >= 1, or -1 for the rest of the world")
+        if sum(v == -1 for v in degrees.values()) > 1:
+            raise ValueError(f"at most one degree may be -1 (the rest of the world); got {degrees}")
+        return self
