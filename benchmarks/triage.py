@@ -67,9 +67,10 @@ def judge_cost(losses: list[float], lrs: list[float], res) -> float:
     from trainbook.diagnose.triage import Triage
     from trainbook.parallel.dims import ParallelDims
     from trainbook.parallel.runtime import Runtime
+    from trainbook.runs import RunPaths
 
     cfg = res.cfg.triage.model_copy(update={"on_nonfinite": "stop", "on_spike": "skip"})
-    triage = Triage(cfg, Runtime(0, 1, ParallelDims(1, 1, 1, 1), torch.device("cpu")), Path("."), None, None, 1)
+    triage = Triage(cfg, Runtime(0, 1, ParallelDims(1, 1, 1, 1), torch.device("cpu")), RunPaths.of("."), None, None, 1)
     seconds = []
     for loss, lr in zip(losses, lrs):
         start = time.perf_counter()

@@ -52,6 +52,7 @@ from trainbook.atomic import atomic_write_json, atomic_write_text
 from trainbook.errors import HangFailure
 from trainbook.monitor import EventLog
 from trainbook.phase import Phase, PhaseTracker
+from trainbook.runs import RunPaths
 
 REPORT_WINDOW_S = 10.0
 """How long the live ranks wait for every rank's report before naming the silent ones."""
@@ -85,18 +86,19 @@ def stacks_from_outside(pid: int, timeout_s: float = 20.0) -> str | None:
 
 
 class HangWatchdog:
-    def __init__(self, *, store, rank: int, world_size: int, tracker: PhaseTracker, run_dir: Path,
+    def __init__(self, *, store, rank: int, world_size: int, tracker: PhaseTracker, paths: RunPaths,
                  timeout_s: float, backend: str, logger: logging.Logger,
                  collectives: Callable[[], dict], in_flight: Callable[[], list[dict]],
                  dump_trace: Callable[[Path], bool], analyse: Callable[[Path, str], str | None]):
-        """`store`: a store every rank reaches (parallel.runtime.watch_store); `collectives`,
-        `in_flight`, `dump_trace`, `analyse`: the flight recorder's readings (parallel/flight.py)."""
+        """`store`: a store every rank reaches (parallel.runtime.watch_store); `paths`: the run's,
+        whose `hang/` it writes and whose events.jsonl gets the `hang` and `end` events;
+        `collectives`, `in_flight`, `dump_trace`, `analyse`: the flight recorder's readings
+        (parallel/flight.py)."""
         self.store = store
         self.rank = rank
         self.world_size = world_size
         self.tracker = tracker
-        self.hang_dir = Path(run_dir) / "hang"
-        self.events_path = Path(run_dir) / "events.jsonl"
+        self.paths = paths
         self.timeout_s = timeout_s
         self.tick_s = min(5.0, max(0.2, timeout_s / 10))
         self.backend = backend
@@ -163,10 +165,10 @@ class HangWatchdog:
 
     def _on_hang(self) -> None:
         declared = json.loads(self.store.get("declared"))
-        self.hang_dir.mkdir(parents=True, exist_ok=True)
+        self.paths.hang.mkdir(parents=True, exist_ok=True)
         report = {**self._record(), "in_flight": self.in_flight(), "stacks": self._write_own_stacks()}
-        (self.hang_dir / "fr").mkdir(exist_ok=True)
-        self.dump_trace(self.hang_dir / "fr" / f"rank{self.rank}")
+        (self.paths.hang / "fr").mkdir(exist_ok=True)
+        self.dump_trace(self.paths.hang / "fr" / f"rank{self.rank}")
         self.store.set(f"report/{self.rank}", json.dumps(report))
         self.logger.error(f"hang declared (no rank advanced for {self.timeout_s:g} s); this rank is in "
                           f"step {report['step']}, {report['phase']}; stacks in {report['stacks']}")
@@ -194,7 +196,7 @@ class HangWatchdog:
 
     def _write_own_stacks(self) -> str:
         """This process's Python stacks, every thread: faulthandler (always), py-spy (when installed)."""
-        path = self.hang_dir / f"rank{self.rank}.txt"
+        path = self.paths.hang / f"rank{self.rank}.txt"
         with open(path, "w", encoding="utf-8") as f:
             f.write(f"rank {self.rank} (host {self.host}, pid {os.getpid()}): Python stacks by faulthandler\n\n")
             f.flush()
@@ -203,7 +205,7 @@ class HangWatchdog:
         if outside:
             with open(path, "a", encoding="utf-8") as f:
                 f.write(f"\npy-spy dump --pid {os.getpid()}\n\n{outside}")
-        return str(path.relative_to(self.hang_dir.parent))
+        return self.paths.name(path)
 
     def _speak(self, reporters: list[int], declared: dict) -> None:
         states = {r: json.loads(v) for r, v in zip(range(self.world_size), self.store.multi_get(
@@ -215,19 +217,20 @@ class HangWatchdog:
                 silent[r] = self._outside(states[r])
         verdict = explain(reports, {r: states[r] for r in silent}, silent, self.timeout_s)
         if self.backend == "nccl":
-            analysis = self.analyse(self.hang_dir / "fr", "rank")
+            analysis = self.analyse(self.paths.hang / "fr", "rank")
             if analysis:
-                atomic_write_text(self.hang_dir / "flight_recorder.txt", analysis)
+                atomic_write_text(self.paths.hang / "flight_recorder.txt", analysis)
         verdict["after_s"] = round(declared.get("after_s", self.timeout_s), 3)
         # Its stacks are on disk: a rank that cannot speak will not exit by itself either.
         verdict["killed"] = [r for r in silent if r not in self._reporters() and states[r]["host"] == self.host
                              and _kill(states[r]["pid"])]
-        atomic_write_text(self.hang_dir / "verdict.txt", verdict["verdict"] + "\n")
-        atomic_write_json(self.hang_dir / "verdict.json", verdict, indent=2)
-        events = EventLog(self.events_path)
+        atomic_write_text(self.paths.hang / "verdict.txt", verdict["verdict"] + "\n")
+        atomic_write_json(self.paths.hang / "verdict.json", verdict, indent=2)
+        events = EventLog(self.paths.events)
         try:
             events.emit("hang", verdict["step"], verdict=verdict["verdict"],
-                        stuck_ranks=[s["rank"] for s in verdict["stuck"]], dir="hang")
+                        stuck_ranks=[s["rank"] for s in verdict["stuck"]],
+                        dir=self.paths.name(self.paths.hang))
             events.emit("end", verdict["step"], status="failed", error=f"HangFailure: {verdict['verdict']}")
         finally:
             events.close()
@@ -240,10 +243,10 @@ class HangWatchdog:
         text = stacks_from_outside(state["pid"])
         if text is None:
             return None
-        path = self.hang_dir / f"rank{state['rank']}.txt"
+        path = self.paths.hang / f"rank{state['rank']}.txt"
         atomic_write_text(path, f"rank {state['rank']} (host {state['host']}, pid {state['pid']}): it could not "
                                 f"run Python; stacks taken from outside by py-spy dump --nonblocking\n\n{text}")
-        return str(path.relative_to(self.hang_dir.parent))
+        return self.paths.name(path)
 
 
 def _waiting(state: dict) -> bool:
@@ -340,10 +343,10 @@ def _in(state: dict, collective: tuple) -> bool:
     return enq is not None and enq >= collective[1] and (done is None or done < collective[1])
 
 
-def start_hang_watchdog(hang_timeout_s: float, rt, tracker: PhaseTracker, run_dir: Path,
+def start_hang_watchdog(hang_timeout_s: float, rt, tracker: PhaseTracker, paths: RunPaths,
                         logger: logging.Logger) -> HangWatchdog | None:
-    """The watchdog of this rank (`rt`: parallel.runtime.Runtime), started; None in one process
-    or with `hang_timeout_s` 0."""
+    """The watchdog of this rank (`rt`: parallel.runtime.Runtime) over the run `paths`, started;
+    None in one process or with `hang_timeout_s` 0."""
     if not rt.distributed or hang_timeout_s <= 0:
         return None
     from trainbook.parallel import flight
@@ -351,6 +354,6 @@ def start_hang_watchdog(hang_timeout_s: float, rt, tracker: PhaseTracker, run_di
 
     return HangWatchdog(
         store=watch_store("trainbook/hang"), rank=rt.rank, world_size=rt.world_size, tracker=tracker,
-        run_dir=run_dir, timeout_s=hang_timeout_s, backend=BACKENDS[rt.device.type], logger=logger,
+        paths=paths, timeout_s=hang_timeout_s, backend=BACKENDS[rt.device.type], logger=logger,
         collectives=flight.status, in_flight=flight.in_flight, dump_trace=flight.dump, analyse=flight.analyse,
     ).start()

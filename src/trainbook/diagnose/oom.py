@@ -57,6 +57,7 @@ from trainbook.parallel.plan import memory_estimates
 from trainbook.parallel.plan_memory import PlanInputs, activation_terms, residual_bytes
 from trainbook.parallel.runtime import Runtime
 from trainbook.phase import PhaseState
+from trainbook.runs import RunPaths
 from trainbook.sizes import human
 
 try:  # POSIX only. Imported now: at an out-of-memory moment the extension could not be loaded.
@@ -160,8 +161,9 @@ def _rank_total(memory: dict, rank: int) -> int:
     return (row or memory["largest"])["total"]
 
 
-def verdict(facts: dict, run_dir: Path, world_size: int) -> str:
-    """The one line: where it failed, what was asked and held, plan's view, what to try."""
+def verdict(facts: dict, breakdown: Path, world_size: int) -> str:
+    """The one line: where it failed, what was asked and held, plan's view, what to try (and
+    `breakdown`, the file that says more)."""
     where = ", ".join(x for x in (facts["phase"], facts.get("block")) if x)
     on = f" on rank {facts['rank']}" if world_size > 1 else ""
     m, plan = facts["measured"], facts["plan"]
@@ -174,7 +176,7 @@ def verdict(facts: dict, run_dir: Path, world_size: int) -> str:
             + (f"could not allocate {human(asked)} " if asked else "")
             + f"with {held} on {facts['device']}, {human(states)} of it parameters, gradients and optimizer "
             f"states; plan estimates {human(plan['total'])}/rank of {human(capacity)}; "
-            f"see {run_dir / 'oom' / 'breakdown.json'}")
+            f"see {breakdown}")
     if asked is not None and asked > capacity:
         return line + f"; the one request is larger than the whole device ({human(capacity)}): no layout makes it fit"
     best = next(iter(facts["alternatives"]), None)
@@ -213,18 +215,18 @@ def _untracked_bytes(model: nn.Module, optimizer: torch.optim.Optimizer) -> int 
 
 class OutOfMemory:
     """The trainer's out-of-memory post-mortem (see the module docstring). Built once the model,
-    optimizer and events exist; `diagnose(error)` turns a failure into a DiagnosedFailure (or None
-    when it is not an allocation failure here or on a peer)."""
+    optimizer and events exist; it writes the run's `oom/` (of `paths`). `diagnose(error)` turns a
+    failure into a DiagnosedFailure (or None when it is not an allocation failure here or on a
+    peer)."""
 
     def __init__(self, cfg: DiagnoseConfig, inputs: PlanInputs, rt: Runtime, model: nn.Module,
-                 optimizer: torch.optim.Optimizer, run_dir: Path, events, logger: logging.Logger):
+                 optimizer: torch.optim.Optimizer, paths: RunPaths, events, logger: logging.Logger):
         self.cfg = cfg
         self.inputs = inputs
         self.rt = rt
         self.model = model
         self.optimizer = optimizer
-        self.dir = Path(run_dir) / "oom"
-        self.run_dir = Path(run_dir)
+        self.paths = paths
         self.events = events
         self.logger = logger
         self.started = time.time()  # files older than this belong to an earlier attempt
@@ -260,18 +262,19 @@ class OutOfMemory:
             facts["estimated"] = {"activations_by_block": self._estimated_activations()}
         facts |= self._plan_view(rank)
         facts["snapshot"] = snapshot
-        facts["verdict"] = verdict(facts, self.run_dir, self.rt.world_size)
-        self.dir.mkdir(parents=True, exist_ok=True)
-        atomic_write_json(self.dir / f"rank{rank}.json", facts, indent=2)
-        atomic_write_json(self.dir / "breakdown.json", facts, indent=2)
+        breakdown = self.paths.oom / "breakdown.json"
+        facts["verdict"] = verdict(facts, breakdown, self.rt.world_size)
+        self.paths.oom.mkdir(parents=True, exist_ok=True)
+        atomic_write_json(self.paths.oom / f"rank{rank}.json", facts, indent=2)
+        atomic_write_json(breakdown, facts, indent=2)
         self.logger.error(facts["verdict"])
         self._hold_off_termination()
-        event = {"phase": facts["phase"], "verdict": facts["verdict"], "breakdown": "oom/breakdown.json",
+        event = {"phase": facts["phase"], "verdict": facts["verdict"], "breakdown": self.paths.name(breakdown),
                  "rank": rank, "block": facts["block"]}
         if self.rt.is_main:
             self.events.emit("oom", facts["step"], **event)
         else:  # rank 0 may be stopped by the launcher before it could say it
-            events = EventLog(self.run_dir / "events.jsonl")
+            events = EventLog(self.paths.events)
             events.emit("oom", facts["step"], **event)
             events.close()
         return DiagnosedFailure(facts["verdict"])
@@ -280,9 +283,9 @@ class OutOfMemory:
         if not self.history:
             return None
         name = "snapshot.pickle" if self.rt.world_size == 1 else f"snapshot-rank{self.rt.rank}.pickle"
-        self.dir.mkdir(parents=True, exist_ok=True)
-        torch.cuda.memory._dump_snapshot(str(self.dir / name))
-        return f"oom/{name}"
+        self.paths.oom.mkdir(parents=True, exist_ok=True)
+        torch.cuda.memory._dump_snapshot(str(self.paths.oom / name))
+        return self.paths.name(self.paths.oom / name)
 
     def _estimated_activations(self) -> dict[str, int]:
         """Plan's per-block formula for one micro-batch: what each block saves by its end."""
@@ -340,7 +343,7 @@ class OutOfMemory:
     def _peer(self, state: PhaseState) -> DiagnosedFailure | None:
         """This rank's collective failed because a peer ran out of memory (and left): its file
         says so. The lowest failing rank speaks for the run."""
-        for path in sorted(self.dir.glob("rank*.json"), key=lambda p: int(p.stem[4:])):
+        for path in sorted(self.paths.oom.glob("rank*.json"), key=lambda p: int(p.stem[4:])):
             if path.stat().st_mtime < self.started:
                 continue
             facts = json.loads(path.read_text())

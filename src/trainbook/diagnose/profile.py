@@ -51,11 +51,12 @@ def phase_boundary(*hooks: Boundary | None) -> Boundary | None:
 
 
 class StepProfiler:
-    """`torch.profiler` over steps `first`..`last` (1-based, inclusive) on one rank."""
+    """`torch.profiler` over steps `first`..`last` (1-based, inclusive) on one rank; the trace
+    goes into `folder` (the run's `profile/`)."""
 
-    def __init__(self, run_dir: Path, rank: int, steps: tuple[int, int], device: torch.device):
+    def __init__(self, folder: Path, rank: int, steps: tuple[int, int], device: torch.device):
         self.first, self.last = steps
-        self.path = Path(run_dir) / "profile" / f"rank{rank}-steps-{self.first}-{self.last}.json"
+        self.path = Path(folder) / f"rank{rank}-steps-{self.first}-{self.last}.json"
         activities = [ProfilerActivity.CPU]
         if device.type == "cuda":
             activities.append(ProfilerActivity.CUDA)

@@ -47,6 +47,7 @@ from trainbook.data.provenance import batch_rows, document_span
 from trainbook.diagnose.blocks import block_of, block_order, squared_norm, unwrapped
 from trainbook.monitor.alerts import robust_z
 from trainbook.parallel.runtime import Runtime
+from trainbook.runs import RunPaths
 
 KINDS = (None, "spike", "nonfinite")  # verdict codes, worst last: ranks agree on the maximum
 
@@ -223,11 +224,12 @@ class Outcome:
 
 
 class Triage:
-    def __init__(self, cfg: TriageConfig, rt: Runtime, run_dir: Path, data: Prepared, loader: TrainLoader,
+    def __init__(self, cfg: TriageConfig, rt: Runtime, paths: RunPaths, data: Prepared, loader: TrainLoader,
                  samples_per_step: int):
+        """`paths`: the run's; incidents go into its `incidents/`, rollbacks look in its `checkpoints/`."""
         self.cfg = cfg
         self.rt = rt
-        self.run_dir = Path(run_dir)
+        self.paths = paths
         self.data = data
         self.loader = loader
         self.samples_per_step = samples_per_step
@@ -300,7 +302,7 @@ class Triage:
         rerun_said = (f"reproducible: the re-run gave loss {again.loss:.4g}, grad norm {again.grad_norm:.4g}"
                       if reproducible else
                       f"transient: the re-run was clean (loss {again.loss:.4f}, grad norm {again.grad_norm:.4g})")
-        where = f"incidents/step-{step}"
+        where = self.paths.name(self.paths.incidents / f"step-{step}")
         line = "; ".join([f"step {step}: {verdict.what}", *([located] if reproducible else []), rerun_said, said,
                           f"incident in {where}/"])
         self.write_incident(step, verdict, {
@@ -360,14 +362,13 @@ class Triage:
         from trainbook.checkpoint.read import newest_valid
 
         limit = bad_step - max(self.cfg.rollback_steps_back, 1)
-        found = self.rt.rank0_first(lambda: newest_valid(self.run_dir / "checkpoints", lambda *_: None,
-                                                          at_most=limit))
+        found = self.rt.rank0_first(lambda: newest_valid(self.paths.checkpoints, lambda *_: None, at_most=limit))
         return None if found is None else Path(found[0])
 
     def write_incident(self, step: int, verdict: Verdict, facts: dict, batch: dict) -> Path:
         """incidents/step-N/: incident.json and verdict.txt (rank 0), each data-parallel rank's
         batch-dp<R>.json (`batch_record`, written by the first rank of each replica)."""
-        where = self.run_dir / "incidents" / f"step-{step}"
+        where = self.paths.incidents / f"step-{step}"
         where.mkdir(parents=True, exist_ok=True)
         if self.rt.dims.coordinate(self.rt.rank)["tp"] == 0 and self.rt.pp_rank == 0:  # one rank per replica
             atomic_write_json(where / f"batch-dp{self.rt.dp_rank}.json", batch)

@@ -15,6 +15,7 @@ from trainbook.diagnose.oom import candidates, judge, verdict
 from trainbook.diagnose.phase_memory import retained_by_phase
 from trainbook.model import build_model
 from trainbook.parallel.plan import memory_estimates
+from trainbook.runs import RunPaths
 
 
 def test_the_cpu_allocators_failure_is_recognised_with_its_size():
@@ -77,12 +78,13 @@ def test_verdict_names_the_first_change_plan_says_fits(resolved, tmp_path):
              "requested_bytes": 1 << 20, "alternatives": fits,
              "measured": {"parameters": 10, "gradients": 10, "optimizer": 20, "rss": 1 << 30},
              "plan": {"total": now, "device_memory": capacity}}
-    line = verdict(facts, tmp_path, world_size=1)
+    line = verdict(facts, RunPaths.of(tmp_path).oom / "breakdown.json", world_size=1)
     assert line.startswith("out of memory in step 3 (forward, block 1): could not allocate 1 MiB with 1 GiB resident")
     assert line.endswith(f"; try {' '.join(fits[0]['overrides'])} (plan: "
                          f"{_human(fits[0]['estimate_bytes'])}/rank)"), line
     # A request larger than the whole device: no change of layout helps, none is suggested.
-    huge = verdict({**facts, "requested_bytes": capacity + 1}, tmp_path, world_size=1)
+    huge = verdict({**facts, "requested_bytes": capacity + 1}, RunPaths.of(tmp_path).oom / "breakdown.json",
+                   world_size=1)
     assert "no layout makes it fit" in huge and "try" not in huge
 
 
