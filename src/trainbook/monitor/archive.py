@@ -30,8 +30,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from trainbook.errors import TrainbookError
-
-RUN_MARKER = "config.resolved.toml"
+from trainbook.runs import RunPaths
 
 
 @dataclass
@@ -102,34 +101,35 @@ class RunRecord:
 
 
 def is_run_dir(path: Path) -> bool:
-    return (path / RUN_MARKER).is_file()
+    """A run directory is one with its resolved config."""
+    return RunPaths.of(path).config.is_file()
 
 
 def load_run(path: str | Path, *, need_metrics: bool = True) -> RunRecord:
     """Read a run directory; a path that is not one (or lacks metrics.jsonl when `need_metrics`)
     is a user error naming it."""
-    path = Path(path)
-    if not path.is_dir():
-        raise TrainbookError("no such run directory", where=str(path))
-    if not is_run_dir(path):
-        raise TrainbookError(f"not a run directory (no {RUN_MARKER})", where=str(path))
-    if need_metrics and not (path / "metrics.jsonl").is_file():
-        raise TrainbookError("missing file: the run has no metrics to show", where=str(path / "metrics.jsonl"))
+    paths = RunPaths.of(path)
+    if not paths.root.is_dir():
+        raise TrainbookError("no such run directory", where=str(paths.root))
+    if not is_run_dir(paths.root):
+        raise TrainbookError(f"not a run directory (no {paths.name(paths.config)})", where=str(paths.root))
+    if need_metrics and not paths.metrics.is_file():
+        raise TrainbookError("missing file: the run has no metrics to show", where=str(paths.metrics))
     try:
-        config = tomllib.loads((path / RUN_MARKER).read_text(encoding="utf-8"))
+        config = tomllib.loads(paths.config.read_text(encoding="utf-8"))
     except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
-        raise TrainbookError(f"not valid TOML: {e}", where=str(path / RUN_MARKER)) from None
+        raise TrainbookError(f"not valid TOML: {e}", where=str(paths.config)) from None
     # `auto` as the run settled it (parallel/compile.py keeps the choice in workers/compile.json).
-    settled = _read_json(path / "workers" / "compile.json")
+    settled = _read_json(paths.workers / "compile.json")
     if "compile" in settled and "loss" in settled:
         config.setdefault("train", {}).update(compile=settled["compile"], loss=settled["loss"])
-    metrics = read_jsonl(path / "metrics.jsonl")
+    metrics = read_jsonl(paths.metrics)
     run = RunRecord(
-        path=path, config=config, env=_read_json(path / "env.json"),
+        path=paths.root, config=config, env=_read_json(paths.env),
         train=_by_step([m for m in metrics if m.get("kind") == "train"]),
         evals=_by_step([m for m in metrics if m.get("kind") == "eval"]),
-        events=read_jsonl(path / "events.jsonl"), layers=_by_step(read_jsonl(path / "layers.jsonl")),
-        checkpoints=_checkpoints(path / "checkpoints"),
+        events=read_jsonl(paths.events), layers=_by_step(read_jsonl(paths.layers)),
+        checkpoints=_checkpoints(paths.checkpoints),
     )
     run.status, run.status_detail = run_status(run)
     return run

@@ -23,12 +23,12 @@ def build_monitors(info: RunInfo, log: LogConfig, monitor: MonitorConfig, alerts
     if events is None:
         return Monitors([LogLines(logger, log.every_steps, info.max_steps)])
     monitors = Monitors([
-        MetricsFile(info.run_dir / "metrics.jsonl", log.every_steps, info.max_steps),
+        MetricsFile(info.paths.metrics, log.every_steps, info.max_steps),
         LogLines(logger, log.every_steps, info.max_steps),
         AlertEvents(events),
     ])
     if monitor.layer_stats_every > 0:
-        monitors.add(LayersFile(info.run_dir / "layers.jsonl"))
+        monitors.add(LayersFile(info.paths.layers))
     monitors.add(console_monitor(log.progress, log.every_steps, info.max_steps))
     for sink in external_sinks(info, log, monitor):
         monitors.add(sink)

@@ -40,7 +40,7 @@ def external_sinks(info: RunInfo, log: LogConfig, monitor: MonitorConfig) -> lis
     if monitor.tensorboard:
         from trainbook.monitor.tensorboard import TensorBoardSink
 
-        sinks.append(TensorBoardSink(info.run_dir / "tb", log.every_steps, info.max_steps))
+        sinks.append(TensorBoardSink(info.paths.tensorboard, log.every_steps, info.max_steps))
     if monitor.prometheus_port:
         from trainbook.monitor.prometheus import PrometheusSink
 
@@ -53,7 +53,7 @@ def external_sinks(info: RunInfo, log: LogConfig, monitor: MonitorConfig) -> lis
         from trainbook.monitor.trackers import MlflowSink
 
         sinks.append(Tracked("monitor.mlflow", lambda: MlflowSink(
-            info.run_dir, monitor.mlflow_tracking_uri, info.run_name, info.run_dir.name, log.every_steps,
+            info.paths, monitor.mlflow_tracking_uri, info.run_name, info.paths.root.name, log.every_steps,
             info.max_steps), monitor.tracker_close_timeout_s, logger))
     return sinks
 
@@ -68,13 +68,13 @@ def _wandb(info: RunInfo, log: LogConfig, monitor: MonitorConfig, logger: loggin
     """
     from trainbook.monitor.trackers import WandbSink, tracker_run_id
 
-    earlier = sorted((info.run_dir / "wandb").glob(f"offline-run-*-{tracker_run_id(info.run_dir)}*"))
-    sink = WandbSink(info.run_dir, monitor.wandb_project or info.run_name, info.run_dir.name, log.every_steps,
+    earlier = sorted(info.paths.wandb.glob(f"offline-run-*-{tracker_run_id(info.paths.root)}*"))
+    sink = WandbSink(info.paths, monitor.wandb_project or info.run_name, info.paths.root.name, log.every_steps,
                      info.max_steps)
     if earlier and sink.offline:
         logger.info(f"monitor.wandb: offline, this attempt writes a new W&B run directory beside "
                     f"{len(earlier)} of earlier attempts (the same run id); `wandb sync "
-                    f"{info.run_dir / 'wandb'}` uploads them as one run, a killed attempt's only as far "
+                    f"{info.paths.wandb}` uploads them as one run, a killed attempt's only as far "
                     f"as W&B had written it")
     return sink
 

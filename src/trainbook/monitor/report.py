@@ -6,9 +6,9 @@ from __future__ import annotations
 import math
 import statistics
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
 
 from trainbook.phase import PhaseTracker
+from trainbook.runs import RunPaths
 
 
 @dataclass(frozen=True)
@@ -69,7 +69,8 @@ def _others_median(values: list[float], rank: int) -> float:
 class RunInfo:
     """What monitors may know about the run besides its reports."""
 
-    run_dir: Path
+    paths: RunPaths
+    """The run directory's files (monitor/build.py hands each sink its own)."""
     run_name: str
     rank: int
     world_size: int
@@ -123,6 +124,9 @@ class StepReport:
     rank_times: RankTimes | None = None
     """Where each rank's time went and how long the others waited for it; at the logging cadence,
     with the `straggler` alert on and more than one process (None otherwise)."""
+    objective: dict | None = None
+    """What the training objective measured in the step (train/objective.py: the trained-token
+    count of fine-tuning, say); None for next-token pre-training, and then not written."""
 
     def metrics_record(self) -> dict:
         """The `metrics.jsonl` line (keys are a contract, see DESIGN.md). A skipped fp16 step's
@@ -130,6 +134,8 @@ class StepReport:
         record = {"kind": "train", **asdict(self)}
         del record["skipped"]  # the running count, skipped_steps, is the recorded fact
         del record["rank_times"]  # the straggler alert's input; the alert is the recorded fact
+        if record["objective"] is None:
+            del record["objective"]
         record["ranks"] = self.ranks.summary() if self.ranks is not None else None
         if record["grad_norm"] != record["grad_norm"] or abs(record["grad_norm"]) == float("inf"):
             record["grad_norm"] = None

@@ -23,6 +23,7 @@ from pathlib import Path
 from trainbook.errors import TrainbookError
 from trainbook.monitor.report import Alert
 from trainbook.monitor.scalars import ScalarSink
+from trainbook.runs import RunPaths
 
 EXTRAS = {"wandb": "wandb", "mlflow": "mlflow"}
 """Config key under `monitor.` -> the module it needs (`pip install 'trainbook[<key>]'`)."""
@@ -56,15 +57,18 @@ class TrackerSink(ScalarSink):
 
 
 class WandbSink(TrackerSink):
-    def __init__(self, run_dir: Path, project: str, name: str, every_steps: int, max_steps: int):
+    """W&B's run of the trainbook run `paths`, its files in `paths.wandb`."""
+
+    def __init__(self, paths: RunPaths, project: str, name: str, every_steps: int, max_steps: int):
         import wandb
 
         super().__init__(every_steps, max_steps)
         # Offline unless the user chose otherwise: nothing leaves the machine by default.
         mode = os.environ.get("WANDB_MODE") or "offline"
         self.offline = mode == "offline"
+        # W&B makes its own `wandb/` folder (paths.wandb) inside `dir`.
         self._run = wandb.init(
-            project=project, name=name, id=tracker_run_id(run_dir), resume="allow", dir=str(run_dir),
+            project=project, name=name, id=tracker_run_id(paths.root), resume="allow", dir=str(paths.wandb.parent),
             mode=mode, settings=wandb.Settings(console="off", silent=True),
         )
         self._step = 0
@@ -90,14 +94,16 @@ class WandbSink(TrackerSink):
 
 
 class MlflowSink(TrackerSink):
-    def __init__(self, run_dir: Path, tracking_uri: str | None, experiment: str, name: str,
+    """MLflow's run of the trainbook run `paths`; without a tracking URI, its store is `paths.mlflow`."""
+
+    def __init__(self, paths: RunPaths, tracking_uri: str | None, experiment: str, name: str,
                  every_steps: int, max_steps: int):
         from mlflow.tracking import MlflowClient
 
         super().__init__(every_steps, max_steps)
         artifacts = None  # a tracking server's own choice
         if tracking_uri is None:
-            store = run_dir / "mlruns"
+            store = paths.mlflow
             store.mkdir(exist_ok=True)
             tracking_uri = f"sqlite:///{(store / 'mlflow.db').resolve()}"
             artifacts = (store / "artifacts").resolve().as_uri()  # else ./mlartifacts, outside the run
@@ -106,7 +112,7 @@ class MlflowSink(TrackerSink):
         found = client.get_experiment_by_name(experiment)
         experiment_id = found.experiment_id if found else client.create_experiment(
             experiment, artifact_location=artifacts)
-        run_id = tracker_run_id(run_dir)
+        run_id = tracker_run_id(paths.root)
         earlier = client.search_runs([experiment_id], filter_string=f"tags.`trainbook.run_id` = '{run_id}'",
                                      max_results=1)
         if earlier:
@@ -114,7 +120,7 @@ class MlflowSink(TrackerSink):
             client.update_run(self._run_id, status="RUNNING")
         else:
             self._run_id = client.create_run(experiment_id, run_name=name, tags={
-                "trainbook.run_id": run_id, "trainbook.run_dir": str(run_dir.resolve())}).info.run_id
+                "trainbook.run_id": run_id, "trainbook.run_dir": str(paths.root.resolve())}).info.run_id
 
     def log(self, values: dict[str, float], step: int, time: float) -> None:
         from mlflow.entities import Metric

@@ -5,16 +5,16 @@ tests/e2e/test_stragglers.py proves the rule on a real slow rank."""
 from __future__ import annotations
 
 import dataclasses
-from pathlib import Path
 
 from trainbook.config import AlertsConfig
 from trainbook.monitor import RankTimes, RunInfo, StepReport
 from trainbook.monitor.alerts import AlertRules
+from trainbook.runs import RunPaths
 
 
 def rules(**cfg) -> tuple[AlertRules, list]:
     fired = []
-    info = RunInfo(Path("."), "unit", 0, 4, 100)
+    info = RunInfo(RunPaths.of("."), "unit", 0, 4, 100)
     return AlertRules(AlertsConfig(rules=["straggler"], **cfg), info, fired.append), fired
 
 

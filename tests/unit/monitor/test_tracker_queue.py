@@ -17,6 +17,7 @@ from trainbook.monitor import Alert, EvalReport
 from trainbook.monitor.external import Tracked
 from trainbook.monitor.scalars import step_scalars
 from trainbook.monitor.trackers import MlflowSink
+from trainbook.runs import RunPaths
 
 STEPS = 20
 
@@ -40,7 +41,7 @@ def log():
 
 
 def mlflow(tmp_path, uri: str, logger, cls=Tracked) -> Tracked:
-    return cls("monitor.mlflow", lambda: MlflowSink(tmp_path, uri, "exp", "run", 1, STEPS), 60.0, logger)
+    return cls("monitor.mlflow", lambda: MlflowSink(RunPaths.of(tmp_path), uri, "exp", "run", 1, STEPS), 60.0, logger)
 
 
 def feed(sink: Tracked, steps: int = STEPS) -> None:

@@ -8,6 +8,7 @@ from tests.wandb_log import wandb_history
 from trainbook.monitor import Alert, EvalReport
 from trainbook.monitor.scalars import layer_scalars, step_scalars
 from trainbook.monitor.trackers import MlflowSink, WandbSink, tracker_run_id
+from trainbook.runs import RunPaths
 
 SPIKE = Alert(run="exp", rank=0, rule="loss_spike", value=9.0, step=7, time=1_700_000_002.0, message="spike")
 
@@ -27,7 +28,8 @@ def expected() -> dict[str, float]:
 
 def test_wandb_is_offline_by_default_and_logs_everything(tmp_path, monkeypatch):
     monkeypatch.delenv("WANDB_MODE", raising=False)
-    feed(WandbSink(tmp_path, project="exp", name="run", every_steps=7, max_steps=100))  # closed: the log is written
+    # Closed: the log is written.
+    feed(WandbSink(RunPaths.of(tmp_path), project="exp", name="run", every_steps=7, max_steps=100))
     [log] = tmp_path.glob(f"wandb/offline-run-*/run-{tracker_run_id(tmp_path)}.wandb")
     history = wandb_history(log)
     assert {tag: values[7] for tag, values in history.items() if not tag.startswith("_")} == expected()
@@ -36,9 +38,9 @@ def test_wandb_is_offline_by_default_and_logs_everything(tmp_path, monkeypatch):
 def test_mlflow_logs_to_a_store_in_the_run_and_continues_it(tmp_path):
     from mlflow.tracking import MlflowClient
 
-    feed(MlflowSink(tmp_path, None, experiment="exp", name="run", every_steps=7, max_steps=100))
+    feed(MlflowSink(RunPaths.of(tmp_path), None, experiment="exp", name="run", every_steps=7, max_steps=100))
     # A resumed run (same directory) continues the same MLflow run.
-    MlflowSink(tmp_path, None, experiment="exp", name="run", every_steps=7, max_steps=100).close()
+    MlflowSink(RunPaths.of(tmp_path), None, experiment="exp", name="run", every_steps=7, max_steps=100).close()
     client = MlflowClient(tracking_uri=f"sqlite:///{tmp_path / 'mlruns' / 'mlflow.db'}")
     [run] = client.search_runs([client.get_experiment_by_name("exp").experiment_id])
     assert run.info.status == "FINISHED" and run.data.tags["alert.loss_spike"] == "step 7: spike"
