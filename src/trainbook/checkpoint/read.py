@@ -17,6 +17,7 @@ from trainbook.checkpoint.store import (
 )
 from trainbook.config import dotted_keys as flatten  # nested state -> the keys DCP stores
 from trainbook.errors import TrainbookError
+from trainbook.runs import RunPaths
 
 def read_latest(root: Path) -> int | None:
     """The step `latest` names, or None when there is no (readable) pointer."""
@@ -126,8 +127,9 @@ def locate(target: Path) -> tuple[Path, Path]:
         except InvalidCheckpoint as e:
             raise TrainbookError(f"checkpoint is not valid: {e}", where=str(target)) from None
         return target.parent.parent, target
-    if (target / "config.resolved.toml").is_file():
-        found = newest_valid(target / "checkpoints", on_skip=lambda path, why: None)
+    run = RunPaths.of(target)
+    if run.config.is_file():
+        found = newest_valid(run.checkpoints, on_skip=lambda path, why: None)
         if found is None:
             raise TrainbookError("run has no valid checkpoint yet", where=str(target))
         return target, found[0]

@@ -22,6 +22,7 @@ from trainbook.data import Prepared, TrainLoader
 from trainbook.errors import TrainbookError
 from trainbook.parallel import pick_device
 from trainbook.parallel.comm_bench import KiB, MiB, describe, format_table, message_sizes
+from trainbook.runs import RunPaths
 from trainbook.sizes import parse_size
 from trainbook.train.trainer import Trainer
 
@@ -72,7 +73,8 @@ def loader_rate(cfg: Config, data: Prepared, seconds: float) -> tuple[float, flo
 
 def training_rate(cfg: Config, data: Prepared, device: torch.device, probe_steps: int = 4) -> tuple[float, str]:
     """Tokens/s that training consumes: the newest run's metrics, else a short probe."""
-    runs = sorted(Path(cfg.run.runs_root, cfg.run.name).glob("*/metrics.jsonl"))
+    folders = sorted(Path(cfg.run.runs_root, cfg.run.name).glob("*"))
+    runs = [m for m in (RunPaths.of(d).metrics for d in folders) if m.is_file()]
     for metrics in reversed(runs):
         rates = [r["tokens_per_s"] for r in map(json.loads, metrics.read_text().splitlines())
                  if r.get("kind") == "train"]

@@ -27,6 +27,7 @@ from pathlib import Path
 
 from trainbook.monitor.archive import last_attempt
 from trainbook.monitor.health import attempt, read_health, write_health
+from trainbook.runs import RunPaths
 
 MONITOR_INTERVAL_S = 0.5
 """How often the agent polls its workers (torchrun's `--monitor-interval`; its default is 0.1)."""
@@ -46,7 +47,7 @@ def signal_name(exit_code: int | None) -> str | None:
 
 def write_worker_file(run_dir: Path) -> None:
     """`workers/rank<R>.json`: who this worker is, for the agent's recorder to name it."""
-    folder = Path(run_dir) / "workers"
+    folder = RunPaths.of(run_dir).workers
     folder.mkdir(exist_ok=True)
     rank = int(os.environ.get("RANK", "0"))
     record = {"rank": rank, "local_rank": int(os.environ.get("LOCAL_RANK", "0")),
@@ -57,8 +58,8 @@ def write_worker_file(run_dir: Path) -> None:
     os.replace(tmp, folder / f"rank{rank}.json")
 
 
-def _worker_by_pid(run_dir: Path, pid: int) -> dict:
-    for path in (Path(run_dir) / "workers").glob("rank*.json"):
+def _worker_by_pid(workers: Path, pid: int) -> dict:
+    for path in workers.glob("rank*.json"):
         try:
             record = json.loads(path.read_text())
         except (OSError, ValueError):
@@ -71,9 +72,9 @@ def _worker_by_pid(run_dir: Path, pid: int) -> dict:
 class FailureRecorder(logging.Handler):
     """Takes torchrun's "failed (exitcode ...)" record; writes the `worker_failed` event."""
 
-    def __init__(self, run_dir: Path, max_restarts: int):
+    def __init__(self, paths: RunPaths, max_restarts: int):
         super().__init__(level=logging.ERROR)
-        self.run_dir = Path(run_dir)
+        self.paths = paths
         self.max_restarts = max_restarts
         self.failures = 0
 
@@ -87,10 +88,10 @@ class FailureRecorder(logging.Handler):
 
     def record(self, exit_code: int, local_rank: int, pid: int) -> None:
         self.failures += 1
-        if not self.run_dir.is_dir():  # it failed before the run directory existed
+        if not self.paths.root.is_dir():  # it failed before the run directory existed
             return
-        worker = _worker_by_pid(self.run_dir, pid)
-        health = read_health(self.run_dir / "health.json")
+        worker = _worker_by_pid(self.paths.workers, pid)
+        health = read_health(self.paths.health)
         step = int(health.get("step", 0))
         done = step - 1 if health.get("phase") not in (None, "idle") else step  # the last step recorded
         starting = health.get("state") in (None, "starting")  # before this attempt's first step
@@ -100,10 +101,10 @@ class FailureRecorder(logging.Handler):
                  "pid": pid, "exit_code": exit_code, "signal": signal_name(exit_code),
                  "attempt": worker.get("attempt"), "last_step_done": None if starting else done,
                  "then": "restart" if restarting else "give up"}
-        with open(self.run_dir / "events.jsonl", "a", encoding="utf-8") as f:  # one O_APPEND write
+        with open(self.paths.events, "a", encoding="utf-8") as f:  # one O_APPEND write
             f.write(json.dumps(event) + "\n")
         if health:
-            write_health(self.run_dir / "health.json", {**health, "state": "restarting" if restarting else "failed"})
+            write_health(self.paths.health, {**health, "state": "restarting" if restarting else "failed"})
 
 
 def _max_restarts(args: list[str]) -> int:
@@ -114,8 +115,8 @@ def _max_restarts(args: list[str]) -> int:
 
 
 def main(argv: list[str]) -> None:
-    run_dir, args = Path(argv[0]), argv[1:]
-    logging.getLogger(FAILURE_LOGGER).addHandler(FailureRecorder(run_dir, _max_restarts(args)))
+    paths, args = RunPaths.of(argv[0]), argv[1:]
+    logging.getLogger(FAILURE_LOGGER).addHandler(FailureRecorder(paths, _max_restarts(args)))
     from torch.distributed.run import main as torchrun
 
     torchrun(args)

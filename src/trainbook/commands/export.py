@@ -37,6 +37,7 @@ from trainbook.data.tokenizer import META_FILE, match_post_processor
 from trainbook.errors import TrainbookError
 from trainbook.model import build_model, resolve
 from trainbook.model.hf import hf_config, to_hf_state_dict
+from trainbook.runs import RunPaths
 
 FORMATS = ("safetensors", "hf")
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -57,10 +58,11 @@ def export(target: Path, fmt: str, out: Path, dtype: str = "fp32") -> Path:
     out = Path(out)
     _check_out(out)
     run_dir, ckpt = locate(target)
+    run = RunPaths.of(run_dir)
     # Training writes the resolved config into the manifest, so a checkpoint copied out of its
     # run still exports; the run's config.resolved.toml is the fallback.
     saved = json.loads((ckpt / MANIFEST).read_text(encoding="utf-8")).get("config", {}).get("model")
-    cfg = resolve(ModelConfig(**saved) if saved else load_config(run_dir / "config.resolved.toml").model)
+    cfg = resolve(ModelConfig(**saved) if saved else load_config(run.config).model)
     weights = read_weights(ckpt, cfg, DTYPES[dtype])
     if cfg.tie_embeddings:
         # Same tensor twice in the state dict; safetensors refuses aliases and one copy is enough.
@@ -78,7 +80,7 @@ def export(target: Path, fmt: str, out: Path, dtype: str = "fp32") -> Path:
             metadata["trainbook.model"] = json.dumps(cfg.model_dump(mode="json"))
             save_file(weights, tmp / WEIGHTS_FILE, metadata=metadata | {"trainbook.layout": "trainbook"})
         else:
-            _write_hf(tmp, weights, cfg, DTYPES[dtype], run_dir / "tokenizer", metadata)
+            _write_hf(tmp, weights, cfg, DTYPES[dtype], run.tokenizer, metadata)
         _publish(tmp, out)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)  # gone after the rename; a half export otherwise

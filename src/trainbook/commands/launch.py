@@ -33,7 +33,7 @@ from trainbook.monitor.archive import last_attempt, read_jsonl
 from trainbook.parallel.device import pick_device
 from trainbook.commands.elastic import MONITOR_INTERVAL_S
 from trainbook.parallel.runtime import AGENT_STORE_ENV
-from trainbook.runs import new_run_dir_path
+from trainbook.runs import RunPaths, new_run_dir_path
 
 # events.jsonl kinds whose `verdict` stopped the run, and the failure each is
 DIAGNOSED_EVENTS = {"oom": DiagnosedFailure, "hang": HangFailure}
@@ -141,7 +141,7 @@ def launch(recipe: Path, overrides: list[str], nproc: int, run_dir: Path | None,
     # verdict. A run that stopped on a failure it diagnosed says so in events.jsonl: rank 0
     # printed the verdict (its end event), or was stopped by torchrun before it could (the failing
     # rank's own event): exit as one process would.
-    events = read_jsonl(Path(run_dir) / "events.jsonl")
+    events = read_jsonl(RunPaths.of(run_dir).events)
     failed = [e for e in events if e.get("kind") == "worker_failed" and e.get("time", 0) >= began]
     said, diagnosis = _diagnosis(events)
     if elastic.max_restarts > 0 and len(failed) > elastic.max_restarts:

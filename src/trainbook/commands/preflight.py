@@ -24,6 +24,7 @@ from trainbook.errors import TrainbookError
 from trainbook.model import build_model, num_params
 from trainbook.monitor.external import check_sinks
 from trainbook.commands.elastic import is_restart
+from trainbook.runs import RunPaths
 
 
 def prepare_data(res: Resolved, log=print) -> Prepared:
@@ -102,11 +103,11 @@ def find_resume_point(resume: str, run_dir: Path | None) -> ResumePoint | None:
     if resume == "auto":
         if run_dir is None or not run_dir.is_dir() or not any(run_dir.iterdir()):
             return None
-        where = f"--run-dir {run_dir}"
-        if not (run_dir / "config.resolved.toml").is_file():
+        where, paths = f"--run-dir {run_dir}", RunPaths.of(run_dir)
+        if not paths.config.is_file():
             raise TrainbookError("is not empty and is not a trainbook run; use a new directory", where=where)
         skipped: list[tuple[str, str]] = []
-        found = newest_valid(run_dir / "checkpoints", on_skip=lambda p, why: skipped.append((str(p), why)))
+        found = newest_valid(paths.checkpoints, on_skip=lambda p, why: skipped.append((str(p), why)))
         if found is None and is_restart():
             return None  # the agent restarted a group that had not saved yet: from step 0, in place
         if found is None:
@@ -119,9 +120,10 @@ def find_resume_point(resume: str, run_dir: Path | None) -> ResumePoint | None:
 
     where = f"--resume {resume}"
     path = Path(resume)
+    run = RunPaths.of(path)
     skipped: list[tuple[str, str]] = []
-    if (path / "config.resolved.toml").is_file():  # a run: its newest valid checkpoint
-        found = newest_valid(path / "checkpoints", on_skip=lambda p, why: skipped.append((str(p), why)))
+    if run.config.is_file():  # a run: its newest valid checkpoint
+        found = newest_valid(run.checkpoints, on_skip=lambda p, why: skipped.append((str(p), why)))
         if found is None:
             raise TrainbookError("run has no valid checkpoint", where=where)
         (ckpt, manifest), ckpt_run = found, path
@@ -134,7 +136,7 @@ def find_resume_point(resume: str, run_dir: Path | None) -> ResumePoint | None:
     else:
         raise TrainbookError("is neither a checkpoint nor a run directory", where=where)
 
-    own_run = (ckpt_run / "config.resolved.toml").is_file()
+    own_run = RunPaths.of(ckpt_run).config.is_file()
     target = run_dir if run_dir is not None else (ckpt_run if own_run else None)
     if target is not None and own_run and target.resolve() == ckpt_run.resolve():
         later = [s for s in map(step_of, ckpt.parent.iterdir())

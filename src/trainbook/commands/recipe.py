@@ -35,14 +35,17 @@ def recipe_and_overrides(
 
 def archived_config(run_dir: Path | None, resume: str) -> Path | None:
     """Continuing a run needs no recipe: the run (or the checkpoint's run) holds its resolved config."""
+    from trainbook.runs import RunPaths  # imports torch: not at the CLI's start
+
     if resume == "never":
         return None
     candidates = [run_dir] if run_dir is not None else []
     if resume != "auto":
         candidates += [Path(resume), Path(resume).parent.parent]
     for folder in candidates:
-        if (folder / "config.resolved.toml").is_file():
-            return folder / "config.resolved.toml"
+        config = RunPaths.of(folder).config
+        if config.is_file():
+            return config
     return None
 
 

@@ -8,12 +8,13 @@ from trainbook.atomic import atomic_write_text
 from trainbook.errors import TrainbookError
 from trainbook.monitor.archive import load_run
 from trainbook.monitor.html import report_page
+from trainbook.runs import RunPaths
 
 
 def report_command(run_dir: Path, out: Path | None) -> str:
     """Write the report (default RUN/report.html); returns its path. Checks come before writing."""
     run = load_run(run_dir)
-    out = Path(out) if out is not None else run.path / "report.html"
+    out = Path(out) if out is not None else RunPaths.of(run.path).report
     check_output(out)
     atomic_write_text(out, report_page(run))
     return str(out)

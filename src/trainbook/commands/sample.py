@@ -10,14 +10,16 @@ from trainbook.checkpoint import load_state, locate
 from trainbook.config import load_config
 from trainbook.data import Tokenizer
 from trainbook.model import build_model, generate
+from trainbook.runs import RunPaths
 
 
 def sample(
     target: Path, prompt: str, *, max_new_tokens: int, temperature: float, top_k: int, seed: int
 ) -> str:
     run_dir, ckpt = locate(target)
-    cfg = load_config(run_dir / "config.resolved.toml")
-    tokenizer = Tokenizer.load(run_dir / "tokenizer")
+    run = RunPaths.of(run_dir)
+    cfg = load_config(run.config)
+    tokenizer = Tokenizer.load(run.tokenizer)
     model = build_model(cfg.model, torch.device("cpu"), seed=cfg.run.seed)
     state = {"model": model.state_dict()}
     load_state(ckpt, state)

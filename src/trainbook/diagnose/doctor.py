@@ -34,6 +34,7 @@ from pathlib import Path
 
 from trainbook.errors import TrainbookError
 from trainbook.monitor.archive import RunRecord
+from trainbook.runs import RunPaths
 from trainbook.sizes import human
 
 DATA_SHARE = 0.20
@@ -89,6 +90,8 @@ class Evidence:
     """A run directory's facts beyond `RunRecord`: where it was, and what its detectors wrote."""
 
     run: RunRecord
+    paths: RunPaths
+    """The run directory's files, by name (what the evidence lines call them: `paths.name`)."""
     health: dict = field(default_factory=dict)
     oom: dict = field(default_factory=dict)
     hang: dict = field(default_factory=dict)
@@ -99,35 +102,35 @@ class Evidence:
 def read_evidence(run: RunRecord) -> Evidence:
     """The run's evidence, every record checked for the keys the rules read (a TrainbookError
     naming the file and the key otherwise)."""
-    path = run.path
+    paths = RunPaths.of(run.path)
     for e in run.events:
         if e.get("kind") in EVENT_KEYS:
             need(e, EVENT_KEYS[e["kind"]] + ("step",) + (("error",) if e.get("status") == "failed" else ()),
-                 f"{path / 'events.jsonl'} ({e['kind']} event of step {e.get('step')})")
+                 f"{paths.events} ({e['kind']} event of step {e.get('step')})")
     for r in run.train:
-        where = f"{path / 'metrics.jsonl'} (train record of step {r['step']})"
+        where = f"{paths.metrics} (train record of step {r['step']})"
         need(r, TRAIN_KEYS, where)
         need(r["phases"], PHASE_KEYS, where, "phases.")
         if r.get("ranks") is not None:  # null in a one-process run
             need(r["ranks"], ("data_wait_s",), where, "ranks.")
             need(r["ranks"]["data_wait_s"], WAIT_KEYS, where, "ranks.data_wait_s.")
     if run.env:
-        need(run.env, ("device",), str(path / "env.json"))
-    need(run.config, ("train",), str(path / "config.resolved.toml"))
-    need(run.config["train"], ("profile_phases",), str(path / "config.resolved.toml"), "train.")
-    health = _json(path / "health.json", HEALTH_KEYS)
-    oom = _json(path / "oom" / "breakdown.json", BREAKDOWN_KEYS)
+        need(run.env, ("device",), str(paths.env))
+    need(run.config, ("train",), str(paths.config))
+    need(run.config["train"], ("profile_phases",), str(paths.config), "train.")
+    health = _json(paths.health, HEALTH_KEYS)
+    oom = _json(_breakdown(paths), BREAKDOWN_KEYS)
     for a in oom["alternatives"] if oom else ():
-        need(a, ALTERNATIVE_KEYS, str(path / "oom" / "breakdown.json"), "alternatives[].")
-    hang = _json(path / "hang" / "verdict.json", HANG_KEYS)
+        need(a, ALTERNATIVE_KEYS, str(_breakdown(paths)), "alternatives[].")
+    hang = _json(_hang_verdict(paths), HANG_KEYS)
     for s in hang["stuck"] if hang else ():
-        need(s, STUCK_KEYS, str(path / "hang" / "verdict.json"), "stuck[].")
+        need(s, STUCK_KEYS, str(_hang_verdict(paths)), "stuck[].")
     incidents = []
-    for p in sorted(path.glob("incidents/step-*/incident.json"), key=_step_of_incident):
+    for p in sorted(paths.incidents.glob("step-*/incident.json"), key=_step_of_incident):
         incident = _json(p, INCIDENT_KEYS)
         need(incident["rerun"], ("reproducible",), str(p), "rerun.")
         incidents.append(incident)
-    return Evidence(run, health=health, oom=oom, hang=hang, incidents=incidents)
+    return Evidence(run, paths, health=health, oom=oom, hang=hang, incidents=incidents)
 
 
 def need(record, keys: tuple[str, ...], where: str, prefix: str = "") -> None:
@@ -165,13 +168,13 @@ def oom(ev: Evidence) -> Finding | None:
     event = _last_event(ev, "oom")
     if event is None and not ev.oom:
         return None
-    b = ev.oom
+    b, name = ev.oom, ev.paths.name
     step, phase = (event or b)["step"], (event or b)["phase"]
-    evidence = [f"events.jsonl: out of memory in step {step}, phase {phase}"]
+    evidence = [f"{name(ev.paths.events)}: out of memory in step {step}, phase {phase}"]
     alternatives = []
     if b:
         sizes = [f"{k} {_bytes(v)}" for k, v in b["measured"].items() if isinstance(v, (int, float))]
-        evidence.append(f"oom/breakdown.json measured on {b['device']}: " + ", ".join(sizes))
+        evidence.append(f"{name(_breakdown(ev.paths))} measured on {b['device']}: " + ", ".join(sizes))
         alternatives = [a for a in b["alternatives"] if a["overrides"]]
     for a in alternatives[:3]:
         evidence.append(f"fits by the plan's estimate ({_bytes(a['estimate_bytes'])}): " + " ".join(a["overrides"]))
@@ -184,19 +187,20 @@ def hang(ev: Evidence) -> Finding | None:
     event = _last_event(ev, "hang")
     if event is None and not ev.hang:
         return None
-    v = ev.hang
+    v, name = ev.hang, ev.paths.name
     if v:
-        evidence = [f"hang/verdict.json: step {v['step']}"
+        evidence = [f"{name(_hang_verdict(ev.paths))}: step {v['step']}"
                     + (f", collective {v['collective']} #{v['seq']}" if v["collective"] else "")
                     + (f", waiting: ranks {v['waiting']}" if v["waiting"] else "")]
         evidence += [f"stuck: rank {s['rank']} on {s['host']} in step {s['step']}, phase {s['phase']} "
                      f"(stacks: {s['stacks']})" for s in v["stuck"]]
     else:
-        evidence = [f"events.jsonl: hang in step {event['step']} (no hang/verdict.json)"]
+        evidence = [f"{name(ev.paths.events)}: hang in step {event['step']} "
+                    f"(no {name(_hang_verdict(ev.paths))})"]
     stuck = event["stuck_ranks"] if event else [s["rank"] for s in v["stuck"]]
+    stacks = ev.paths.hang / f"rank{stuck[0] if stuck else '<R>'}.txt"
     return Finding("hang", (event or v)["verdict"], evidence,
-                   f"read the stuck rank's stacks (hang/rank{stuck[0] if stuck else '<R>'}.txt) and its log",
-                   PLAYBOOKS["hang"])
+                   f"read the stuck rank's stacks ({name(stacks)}) and its log", PLAYBOOKS["hang"])
 
 
 def nonfinite(ev: Evidence) -> Finding | None:
@@ -215,7 +219,7 @@ def nonfinite(ev: Evidence) -> Finding | None:
     evidence = [f"{len(events) or len(ev.incidents)} incident(s); first: {kind} at step {step}: {what}; {located}"]
     if ev.incidents:
         numbers = {k: first[k] for k in ("loss", "lr", "grad_norm", "loss_scale") if first[k] is not None}
-        evidence.append(f"incidents/step-{step}/incident.json: " + ", ".join(
+        evidence.append(f"{ev.paths.name(_incident_dir(ev.paths, step) / 'incident.json')}: " + ", ".join(
             f"{k} {v:g}" if isinstance(v, (int, float)) else f"{k} {v}" for k, v in numbers.items()))
     evidence.append("reproducible: the re-run of the step on the same batch failed again (data or model state)"
                     if reproducible else "transient: the re-run of the step on the same batch was clean")
@@ -226,17 +230,19 @@ def nonfinite(ev: Evidence) -> Finding | None:
         evidence.append(f"rolled back at step {r['step']} to step {r['to_step']}, skipping {r['skipped_batches']} "
                         f"batches (global samples {start}-{end - 1})")
     return Finding("nan/spike", summary, evidence,
-                   f"inspect incidents/step-{step}/ (batch-dp*.json: the batch and its source documents); "
-                   "see the [triage] policies", PLAYBOOKS["nan/spike"])
+                   f"inspect {ev.paths.name(_incident_dir(ev.paths, step))}/ (batch-dp*.json: the batch and "
+                   "its source documents); see the [triage] policies", PLAYBOOKS["nan/spike"])
 
 
 def failed(ev: Evidence) -> Finding | None:
     end = _last_event(ev, "end")
     if ev.run.status != "failed" or end is None:
         return None
+    name = ev.paths.name
     return Finding("failed", f"the run stopped with an error at step {end['step']}: {end['error']}",
-                   [f"events.jsonl: end status failed at step {end['step']}", *_last_position(ev)],
-                   "read the error in the rank logs (logs/); resume with `trainbook run --run-dir RUN`")
+                   [f"{name(ev.paths.events)}: end status failed at step {end['step']}", *_last_position(ev)],
+                   f"read the error in the rank logs ({name(ev.paths.logs)}/); resume with "
+                   "`trainbook run --run-dir RUN`")
 
 
 def died(ev: Evidence) -> Finding | None:
@@ -259,11 +265,13 @@ def _last_position(ev: Evidence) -> list[str]:
     lines = []
     if ev.health:
         h = ev.health
-        lines.append(f"health.json: step {h['step']}, phase {h['phase']}, pid {h['pid']} on {h['host']}")
+        lines.append(f"{ev.paths.name(ev.paths.health)}: step {h['step']}, phase {h['phase']}, pid {h['pid']} "
+                     f"on {h['host']}")
     if ev.run.train:
         lines.append(f"last train record: step {ev.run.train[-1]['step']} of {ev.run.max_steps}")
     if ev.run.checkpoints:
-        lines.append(f"newest checkpoint: checkpoints/{ev.run.checkpoints[-1]} (a resume starts there)")
+        newest = ev.paths.checkpoints / ev.run.checkpoints[-1]
+        lines.append(f"newest checkpoint: {ev.paths.name(newest)} (a resume starts there)")
     return lines
 
 
@@ -275,7 +283,8 @@ def timing(ev: Evidence) -> list[Finding]:
     records = [r for r in ev.run.train if r["step_time_s"]]  # keys checked by read_evidence
     if not records:
         return [] if ev.run.status in ("died", "failed") else [
-            Finding("healthy", "no train records to judge yet", ["metrics.jsonl holds no train line"])]
+            Finding("healthy", "no train records to judge yet",
+                    [f"{ev.paths.name(ev.paths.metrics)} holds no train line"])]
     steady = _steady(records, ev.run.max_steps)
     shares, total = time_shares(steady)
     span = f"steps {steady[0]['step']}-{steady[-1]['step']}" if len(steady) > 1 else f"step {steady[0]['step']}"
@@ -410,6 +419,21 @@ def _json(path: Path, keys: tuple[str, ...]) -> dict:
         raise TrainbookError(f"not valid JSON: {e}", where=str(path)) from None
     need(value, keys, str(path))
     return value
+
+
+def _breakdown(paths: RunPaths) -> Path:
+    """The OOM breakdown (diagnose/oom.py)."""
+    return paths.oom / "breakdown.json"
+
+
+def _hang_verdict(paths: RunPaths) -> Path:
+    """The hang verdict (diagnose/hang.py)."""
+    return paths.hang / "verdict.json"
+
+
+def _incident_dir(paths: RunPaths, step: int) -> Path:
+    """Step `step`'s incident folder (diagnose/triage.py)."""
+    return paths.incidents / f"step-{step}"
 
 
 def _step_of_incident(path: Path) -> int:
