@@ -35,7 +35,7 @@ from trainbook.commands.recipe import default_recipe
 from trainbook.commands.resolve import resolve
 from trainbook.monitor import Sink
 from trainbook.runs import create_run_dir
-from trainbook.train.trainer import Trainer
+from trainbook.train.build import one_process
 
 GOAL = 0.99
 
@@ -71,7 +71,7 @@ def train(overrides: list[str], run_dir: Path, console: Path, data) -> tuple[lis
     cfg = resolve(default_recipe(), overrides, world_size=1).cfg
     create_run_dir(run_dir.parent, "monitoring", run_dir)
     with open(console, "a") as out, contextlib.redirect_stdout(out):
-        trainer = Trainer(cfg, run_dir, data, torch.device("cpu"))
+        trainer = one_process(cfg, run_dir, data, torch.device("cpu"))
         losses = Losses()
         trainer.monitors.add(losses)
         start = time.perf_counter()

@@ -40,7 +40,7 @@ from trainbook.commands.resolve import resolve
 from trainbook.model import build_model
 from trainbook.monitor import Sink
 from trainbook.runs import create_run_dir
-from trainbook.train.trainer import Trainer
+from trainbook.train.build import one_process
 
 GOAL = 0.97
 
@@ -131,7 +131,7 @@ class StepLosses(Sink):
 def trainbook_loop(cfg, data, run_dir: Path, console: Path):
     create_run_dir(run_dir.parent, "overhead", run_dir)  # as `trainbook run` makes it
     with open(console, "a") as out, contextlib.redirect_stdout(out):
-        trainer = Trainer(cfg, run_dir, data, torch.device("cpu"))
+        trainer = one_process(cfg, run_dir, data, torch.device("cpu"))
         steps = StepLosses()
         trainer.monitors.add(steps)
         start = time.perf_counter()

@@ -26,7 +26,7 @@ from trainbook.commands.recipe import default_recipe
 from trainbook.commands.resolve import resolve
 from trainbook.parallel.device import MemoryGauge
 from trainbook.runs import create_run_dir
-from trainbook.train.trainer import Trainer
+from trainbook.train.build import one_process
 
 
 def main() -> int:
@@ -46,7 +46,7 @@ def main() -> int:
             contextlib.redirect_stdout(out):
         run_dir = Path(tmp) / "run"
         create_run_dir(run_dir.parent, "bench", run_dir)
-        trainer = Trainer(res.cfg, run_dir, data, torch.device("cpu"))
+        trainer = one_process(res.cfg, run_dir, data, torch.device("cpu"))
         listeners = list(trainer.tracker._listeners)
         changes = []
         trainer.tracker.listen(lambda left, entered: changes.append(1))

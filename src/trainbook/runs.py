@@ -2,7 +2,9 @@
 
     runs/<name>/<YYYYmmdd-HHMMSS>-<id>/
       recipe.toml  config.resolved.toml  env.json  tokenizer/
-      logs/  metrics.jsonl  events.jsonl  checkpoints/
+      logs/  metrics.jsonl  events.jsonl  checkpoints/ ...
+
+`RunPaths` names every file and folder of it; each component is handed its own path.
 """
 
 from __future__ import annotations
@@ -16,12 +18,63 @@ import socket
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from trainbook.config.secrets import scrub
 from trainbook.errors import TrainbookError
+
+@dataclass(frozen=True)
+class RunPaths:
+    """Every file and folder of a run directory, by name (`RunPaths.of(run_dir)`)."""
+
+    root: Path
+    recipe: Path
+    """recipe.toml: the recipe exactly as given (secrets as fingerprints)."""
+    config: Path
+    """config.resolved.toml: every field after extends and overrides (rerunnable as a recipe)."""
+    env: Path
+    """env.json: the version matrix and the machine."""
+    tokenizer: Path
+    logs: Path
+    """logs/rank<R>-<date>.log"""
+    metrics: Path
+    events: Path
+    layers: Path
+    """layers.jsonl: per-layer statistics at their cadence."""
+    health: Path
+    checkpoints: Path
+    workers: Path
+    """workers/: per-attempt records of the processes (who each worker is, the measured peak, the
+    compile choice)."""
+    incidents: Path
+    hang: Path
+    oom: Path
+    profile: Path
+    tensorboard: Path
+    wandb: Path
+    mlflow: Path
+    report: Path
+    """report.html, `trainbook report`'s default."""
+
+    @classmethod
+    def of(cls, root: str | Path) -> RunPaths:
+        root = Path(root)
+        return cls(
+            root=root, recipe=root / "recipe.toml", config=root / "config.resolved.toml", env=root / "env.json",
+            tokenizer=root / "tokenizer", logs=root / "logs", metrics=root / "metrics.jsonl",
+            events=root / "events.jsonl", layers=root / "layers.jsonl", health=root / "health.json",
+            checkpoints=root / "checkpoints", workers=root / "workers", incidents=root / "incidents",
+            hang=root / "hang", oom=root / "oom", profile=root / "profile", tensorboard=root / "tb",
+            wandb=root / "wandb", mlflow=root / "mlruns", report=root / "report.html",
+        )
+
+    def name(self, path: Path) -> str:
+        """`path` as the run's records name it: relative to the run directory."""
+        return str(path.relative_to(self.root))
+
 
 # Distributions whose versions decide whether a run can be reproduced.
 TRACKED_PACKAGES = (

@@ -4,7 +4,7 @@
 
 CASES_JSON maps a case name to recipe overrides (on recipes/tiny-shakespeare.toml). For each case
 on the same process group: build this rank's part of the model exactly as the trainer does
-(`Trainer._build_model`: the whole model from the seed, then the pipeline stages and/or
+(`train/build.py`: the whole model from the seed, then the pipeline stages and/or
 `parallelize`), its AdamW optimizer (`build_optimizer`), run one forward + backward + optimizer
 step on a fixed batch (this data-parallel rank's rows), then one more forward + backward under
 saved-tensor hooks, and write OUT_DIR/<case>-rank<R>.json: per parameter name, the bytes of the
@@ -19,7 +19,6 @@ import json
 import sys
 import weakref
 from pathlib import Path
-from types import SimpleNamespace
 
 import torch
 import torch.distributed as dist
@@ -34,7 +33,7 @@ from trainbook.phase import PhaseTracker
 from trainbook.precision import Precision
 from trainbook.train.engine import lm_loss
 from trainbook.train.optim import build_optimizer
-from trainbook.train.trainer import Trainer
+from trainbook.train.build import build_engine, full_model, surgery
 
 RECIPE = Path(__file__).resolve().parents[2] / "recipes" / "tiny-shakespeare.toml"
 
@@ -174,8 +173,8 @@ def run_case(name: str, overrides: list[str], out_dir: Path) -> None:
     rt = Runtime(rank, world, dims, device, mesh=dims.build_mesh("cpu"))
     # The trainer's own build path (it reads only these attributes of the trainer).
     fsdp = dims.dp > 1 and cfg.parallel.data_parallel == "fsdp"
-    engine = Trainer._build_engine(SimpleNamespace(cfg=cfg, rt=rt, device=device, tracker=PhaseTracker(),
-                                                   precision=Precision(cfg.precision, device, fsdp=fsdp)))
+    model, _ = surgery(full_model(cfg, device), cfg)
+    engine = build_engine(model, cfg, rt, Precision(cfg.precision, device, fsdp=fsdp), PhaseTracker())
     model, pipeline = engine.model, getattr(engine, "pipeline", None)
     optimizer = build_optimizer(model, cfg.optim, embeddings=engine.embeddings)
 

@@ -24,7 +24,8 @@ import torch
 from tests.dist.plan_worker import SavedBytes
 from trainbook.model import build_model
 from trainbook.parallel.apply import ApplyOptions, parallelize
-from trainbook.parallel.plan import _rank_of, simulate
+from trainbook.parallel.plan import simulate
+from trainbook.parallel.plan_memory import rank_of
 from trainbook.commands.plan import plan_command
 from trainbook.precision import Precision
 from trainbook.commands.resolve import resolve
@@ -95,7 +96,7 @@ def test_plan_bytes_equal_what_each_rank_holds(measured, case, world_size):
     dims = res.dims
     simulated = simulate(res.plan_inputs(), dims)
     for rank, held in enumerate(measured[case]):
-        twin = simulated[_rank_of(dims, dims.coordinate(rank) | {"dp_replicate": 0})]["params"]
+        twin = simulated[rank_of(dims, dims.coordinate(rank) | {"dp_replicate": 0})]["params"]
         assert set(twin) == set(held["params"]), (case, rank)
         for name, real in held["params"].items():
             assert twin[name]["local_shape"] == real["local_shape"], (case, rank, name)

@@ -2,7 +2,6 @@
 text, `trainbook run recipes/finetune-hf-llama.toml`, then export back to Hugging Face."""
 
 import json
-from pathlib import Path
 
 import torch
 import transformers

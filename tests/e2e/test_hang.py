@@ -71,7 +71,7 @@ def test_rank_sleeping_in_data_loading_is_named_with_its_stacks(recipe, tmp_path
     assert (run_dir / "hang" / "verdict.txt").read_text().strip() == verdict["verdict"]
     # Its own stacks, written by its watchdog thread: the main thread is in the data path.
     stacks = (run_dir / "hang" / "rank1.txt").read_text()
-    assert re.search(r"fault_hooks.py\", line \d+ in __next__\n(.*\n)*?.*step.py\", line \d+ in train_step", stacks), stacks
+    assert re.search(r"fault_hooks.py\", line \d+ in __next__\n(.*\n)*?.*step.py\", line \d+ in __call__", stacks), stacks
     assert re.search(r"line \d+ in foreach_all_gather", (run_dir / "hang" / "rank0.txt").read_text())
     hang = [e for e in _events(run_dir) if e["kind"] == "hang"]
     assert [(e["step"], e["stuck_ranks"], e["dir"], e["verdict"]) for e in hang] == \

@@ -20,7 +20,7 @@ import torch
 
 from tests.conftest import prepared_recipe, run_cli
 from trainbook.checkpoint import load_state, tensor_entries
-from trainbook.diagnose.layers import block_of
+from trainbook.diagnose.blocks import block_of
 
 STEPS = ["train.max_steps=4", "log.every_steps=1", "checkpoint.interval_steps=1", "checkpoint.keep_last=10"]
 

@@ -24,7 +24,7 @@ from trainbook.parallel import pick_device
 from trainbook.parallel.comm_bench import KiB, MiB, describe, format_table, message_sizes
 from trainbook.runs import RunPaths
 from trainbook.sizes import parse_size
-from trainbook.train.trainer import Trainer
+from trainbook.train.build import one_process
 
 
 @dataclass
@@ -86,7 +86,7 @@ def training_rate(cfg: Config, data: Prepared, device: torch.device, probe_steps
         "train": cfg.train.model_copy(update={"eval_every": 0}),
     })
     with tempfile.TemporaryDirectory() as run_dir:
-        trainer = Trainer(probe, Path(run_dir), data, device)
+        trainer = one_process(probe, Path(run_dir), data, device)
         trainer.advance()  # warm-up
         rates = [trainer.advance().tokens_per_s for _ in range(probe_steps)]
         trainer.close()

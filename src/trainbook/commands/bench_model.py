@@ -41,7 +41,7 @@ from trainbook.precision import Precision
 from trainbook.sizes import human
 from trainbook.train.engine import LocalEngine
 from trainbook.train.optim import build_optimizer
-from trainbook.train.step import train_step
+from trainbook.train.step import Step
 
 ONE = ParallelDims(1, 1, 1, 1)
 
@@ -113,11 +113,12 @@ def bench_model(cfg: Config, device: torch.device, steps: int = 5) -> ModelBench
     optimizer = build_optimizer(model, cfg.optim)
     scaler = precision.loss_scaler()
     batches = synthetic_batches(cfg, device.type, cfg.run.seed)
+    train = Step.next_token(engine, optimizer, accum, cfg.optim.grad_clip, scaler, tracker)
 
     def step() -> tuple[float, dict[str, float]]:
         start = time.perf_counter()
         tracker.begin_step(1)
-        result = train_step(engine, optimizer, batches, accum, cfg.optim.grad_clip, scaler, tracker)
+        result = train(batches)
         if sync is not None:
             sync()
         elapsed = time.perf_counter() - start

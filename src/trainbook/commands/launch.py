@@ -13,7 +13,6 @@ mistake is one line before any process starts; the data cache, the run directory
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import socket

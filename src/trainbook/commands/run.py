@@ -30,8 +30,9 @@ from trainbook.monitor import rewind_metrics
 from trainbook.monitor.archive import read_jsonl
 from trainbook.parallel import pick_device
 from trainbook.parallel.runtime import Runtime, env_world_size, start_runtime
-from trainbook.runs import capture_env, create_run_dir
-from trainbook.train.trainer import Trainer
+from trainbook.runs import RunPaths, capture_env, create_run_dir
+from trainbook.train.build import build_trainer
+from trainbook.train.settle import settle
 
 
 def run_command(recipe: str | None, overrides: list[str] | None, run_dir: Path | None, resume: str,
@@ -99,19 +100,16 @@ def start_run(res: Resolved, run_dir: Path | None = None, resume: str = "auto") 
         if "TORCHELASTIC_RUN_ID" in os.environ:
             write_worker_file(run_dir)  # who this worker is, for the agent's failure recorder
 
-        trainer = Trainer(cfg, run_dir, data, rt)
+        paths = RunPaths.of(run_dir)
+        trainer = build_trainer(settle(cfg, rt, paths.workers), paths, data, rt)
         try:
-            restart = restart_event(read_jsonl(run_dir / "events.jsonl"), start.manifest["step"] if start else 0,
+            restart = restart_event(read_jsonl(paths.events), start.manifest["step"] if start else 0,
                                     rt.world_size) if rt.is_main else None
             if start is not None:
-                trainer.checkpointer.discard_uncommitted(resumed_step=start.manifest["step"])
-                trainer.load_checkpoint(start.path)
-                trainer.record_resume(start.path, skipped=start.skipped, changed=changed,
-                                      dropped_metric_lines=dropped)
+                trainer.resume(start.path, start.manifest["step"], skipped=start.skipped, changed=changed,
+                               dropped_metric_lines=dropped)
             if restart is not None:
-                trainer.events.emit("restart", trainer.step, **restart)
-                trainer.logger.warning(restart_line(restart))
-                trainer.monitors.message(restart_line(restart))
+                trainer.restarted(restart, restart_line(restart))
             try:
                 summary = trainer.fit()
             except Exception as e:
@@ -133,21 +131,22 @@ def _open_run_dir(res: Resolved, run_dir: Path | None, start: ResumePoint | None
                   data: Prepared) -> tuple[Path, int, dict]:
     """The run directory: the run being continued (metrics rewound), or a new, archived one."""
     cfg = res.cfg
-    if start is None and is_restart() and run_dir is not None and (run_dir / "config.resolved.toml").is_file():
+    if start is None and is_restart() and run_dir is not None and RunPaths.of(run_dir).config.is_file():
         # The agent restarted a group that had saved no checkpoint yet: from step 0, in place.
-        return run_dir, rewind_metrics(run_dir / "metrics.jsonl", 0), {}
-    if start is not None and start.run_dir is not None and (start.run_dir / "config.resolved.toml").is_file():
-        dropped = rewind_metrics(start.run_dir / "metrics.jsonl", start.manifest["step"])
+        return run_dir, rewind_metrics(RunPaths.of(run_dir).metrics, 0), {}
+    if start is not None and start.run_dir is not None and RunPaths.of(start.run_dir).config.is_file():
+        paths = RunPaths.of(start.run_dir)
+        dropped = rewind_metrics(paths.metrics, start.manifest["step"])
         changed = config_changes(start.manifest["config"], cfg)
         if changed:
-            atomic_write_text(start.run_dir / "config.resolved.toml", dump_toml(cfg))
+            atomic_write_text(paths.config, dump_toml(cfg))
         return start.run_dir, dropped, changed
-    run_dir = create_run_dir(cfg.run.runs_root, cfg.run.name, run_dir if start is None else start.run_dir)
+    paths = RunPaths.of(create_run_dir(cfg.run.runs_root, cfg.run.name, run_dir if start is None else start.run_dir))
     secrets = secret_values(cfg.model_dump(mode="json"))  # written as fingerprints, never as they are
-    atomic_write_text(run_dir / "recipe.toml", scrub(res.recipe.read_text(encoding="utf-8"), secrets))
-    atomic_write_text(run_dir / "config.resolved.toml", dump_toml(cfg))
+    atomic_write_text(paths.recipe, scrub(res.recipe.read_text(encoding="utf-8"), secrets))
+    atomic_write_text(paths.config, dump_toml(cfg))
     env = capture_env(world_size=rt.world_size, device=rt.device, secrets=secrets)
     env["parallel"] = rt.dims.sizes()
-    atomic_write_json(run_dir / "env.json", env, indent=2)
-    data.tokenizer.save(run_dir / "tokenizer")
-    return run_dir, 0, config_changes(start.manifest["config"], cfg) if start else {}
+    atomic_write_json(paths.env, env, indent=2)
+    data.tokenizer.save(paths.tokenizer)
+    return paths.root, 0, config_changes(start.manifest["config"], cfg) if start else {}

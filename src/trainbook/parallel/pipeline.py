@@ -12,7 +12,7 @@ at the end of each pass (`scale_grads=True`), which is right for one pass per op
 wrong with gradient accumulation: the second pass divides the first pass's gradients again. So we
 build the schedules with `scale_grads=False` and scale the loss instead: each chunk's loss is
 `loss_fn(chunk) / (n_microbatches * accum_steps)`. Chunks hold equal token counts, so the sum over
-chunks and passes is the mean loss over the whole optimizer step, exactly what `train_step`
+chunks and passes is the mean loss over the whole optimizer step, exactly what `Step`
 back-propagates on one device (`lm_loss(batch) / accum_steps` per pass).
 
 Tied embeddings (`model.tie_embeddings`). With pp > 1 stage 0 (embedding) and the last stage

@@ -1,15 +1,15 @@
 """Step engines: how one layout runs forward and backward. The trainer holds one and never asks
 which.
 
-An engine owns what differs between layouts; `train_step` (train/step.py) owns what does not
+An engine owns what differs between layouts; `Step` (train/step.py) owns what does not
 (accumulation, loss scaling, clipping, the update). The protocol:
 
 - `model`: the parameters this rank trains (the optimizer, checkpoints and reports use it);
-- `forward_backward(batch, accum_steps, scaler)`: forward and backward of one micro-batch, adding
-  its share (1 / accum_steps) of the step's mean loss gradient to `.grad`; returns this rank's
-  mean loss of the batch (detached), or None where this rank computes no loss;
+- `forward_backward(batch, objective, scaler)`: forward and backward of one micro-batch, adding
+  its share of the step's loss gradient (the objective's: train/objective.py) to `.grad`;
+  returns this rank's loss of the batch (detached), or None where this rank computes no loss;
 - `clip_grad_norm(max_norm)`: the global gradient norm (every shard, rank and stage), clipped to;
-- `eval_loss(batch)`: the batch's mean loss, forward only (None where no loss is computed);
+- `eval_loss(batch, objective)`: the batch's loss, forward only (None where no loss is computed);
 - `report_loss(mean)`, `report_eval(total)`: this rank's value -> the value every rank reports.
 
 `LocalEngine`: the whole model in this process, possibly sharded (FSDP, TP) or replicated (DDP).
@@ -31,6 +31,7 @@ from trainbook.parallel.dims import ParallelDims
 from trainbook.parallel.runtime import Runtime
 from trainbook.phase import Phase, PhaseTracker
 from trainbook.precision import LossScaler, Precision
+from trainbook.train.objective import NextTokenLoss, Objective
 
 if TYPE_CHECKING:  # torch.distributed.pipelining is imported by pipeline runs only (start-up time)
     from trainbook.parallel.pipeline import Pipeline
@@ -38,14 +39,6 @@ if TYPE_CHECKING:  # torch.distributed.pipelining is imported by pipeline runs o
 
 def to_device(batch: Batch, device: torch.device) -> Batch:
     return Batch(*(None if t is None else t.to(device, non_blocking=True) for t in batch))
-
-
-def loss_of(model: nn.Module, batch: Batch) -> torch.Tensor:
-    """The batch's mean next-token loss, computed by the model (full or chunked: model/loss.py);
-    positions (document packing) go in only when present."""
-    if batch.positions is None:
-        return model(batch.inputs, targets=batch.targets)
-    return model(batch.inputs, batch.positions, targets=batch.targets)
 
 
 lm_loss = full_cross_entropy
@@ -88,21 +81,22 @@ class LocalEngine:
         """An engine for `model` alone in this process, on `precision`'s device."""
         return cls(model, precision, Runtime(0, 1, ParallelDims(1, 1, 1, 1), precision.device), PhaseTracker())
 
-    def forward_backward(self, batch: Batch, accum_steps: int, scaler: LossScaler) -> torch.Tensor:
+    def forward_backward(self, batch: Batch, objective: Objective, scaler: LossScaler) -> torch.Tensor:
         self.tracker.enter(Phase.FORWARD)
         with self.precision.autocast():
-            loss = loss_of(self.model, batch)
+            micro = objective.loss(self.model, batch)
         self.tracker.enter(Phase.BACKWARD)
-        # Each micro-batch carries 1/accum of the gradient: the sum is the full batch's mean.
-        (scaler.scale(loss) / accum_steps).backward()
-        return loss.detach()
+        # Each micro-batch carries its share of the gradient (next-token: 1/accum, so the sum is
+        # the full batch's mean).
+        (scaler.scale(micro.value) / micro.divisor).backward()
+        return micro.value.detach()
 
     def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
         return clip_grad_norm(list(self.model.parameters()), max_norm)
 
-    def eval_loss(self, batch: Batch) -> torch.Tensor:
+    def eval_loss(self, batch: Batch, objective: Objective) -> torch.Tensor:
         with self.precision.autocast():
-            return loss_of(self.model, batch)
+            return objective.eval_loss(self.model, batch)
 
     def report_loss(self, mean: torch.Tensor) -> torch.Tensor:
         dims = self.rt.dims  # tp ranks hold copies of one replica's loss
@@ -133,17 +127,18 @@ class PipelineEngine:
         # Not the schedule's shape inference (uninitialised inputs), not an evaluation.
         return self.pipeline.computing and torch.is_grad_enabled()
 
-    def forward_backward(self, batch: Batch, accum_steps: int, scaler: LossScaler) -> torch.Tensor | None:
+    def forward_backward(self, batch: Batch, objective: NextTokenLoss, scaler: LossScaler) -> torch.Tensor | None:
         # TODO(fp16 + pp): the schedule runs backward of the loss itself, unscaled; resolution
         # refuses fp16 with pp > 1 until the pipeline's loss_fn applies `scaler.scale`.
+        # The schedule computes the next-token loss itself (`lm_loss`, given when it was built).
         self.tracker.enter(Phase.FORWARD_BACKWARD)
         with self.precision.autocast():
-            return self.pipeline.step(batch.inputs, batch.targets, accum_steps)
+            return self.pipeline.step(batch.inputs, batch.targets, objective.micro_batches)
 
     def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
         return self.pipeline.clip_grad_norm_(max_norm)  # the norm spans every stage
 
-    def eval_loss(self, batch: Batch) -> torch.Tensor | None:
+    def eval_loss(self, batch: Batch, objective: NextTokenLoss) -> torch.Tensor | None:
         with self.precision.autocast():
             return self.pipeline.eval_loss(batch.inputs, batch.targets)
 

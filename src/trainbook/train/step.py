@@ -8,7 +8,7 @@ layouts (one process, FSDP/TP, a pipeline) is the engine's (train/engine.py).
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -16,6 +16,8 @@ from trainbook.data.loader import Batch
 from trainbook.phase import Phase, PhaseTracker
 from trainbook.precision import LossScaler
 from trainbook.train.engine import LocalEngine, PipelineEngine, to_device
+from trainbook.train.objective import NextTokenLoss, Objective
+from trainbook.train.observers import NO_OBSERVER, StepObserver
 
 Engine = LocalEngine | PipelineEngine
 
@@ -54,86 +56,87 @@ class StepResult:
     """The gradients overflowed: no clipping, no optimizer step, weights untouched."""
     rejected: object = None
     """The judge's verdict on a bad step (diagnose/triage.py): no optimizer step, weights untouched."""
+    figures: dict = field(default_factory=dict)
+    """What the objective measured in the step (`Objective.figures`); empty for next-token."""
 
 
-def train_step(
-    engine: Engine,
-    optimizer: torch.optim.Optimizer,
-    batches: Iterator[Batch],
-    accum_steps: int,
-    grad_clip: float,
-    scaler: LossScaler,
-    tracker: PhaseTracker,
-    before_update: Callable[[], None] | None = None,
-    observe_grads: Callable[[], None] | None = None,
-    judge: Callable[[float, float], object] | None = None,
-    probe: Callable[[str], None] | None = None,
-) -> StepResult:
-    """Forward and backward over `accum_steps` micro-batches, then unscale, clip and step. The
-    caller has started the step on `tracker` (`begin_step`), which times its phases.
+class Step:
+    """One optimizer step, with what every step uses: the engine, the objective, the optimizer,
+    the loss scaler (fp16; a disabled one otherwise), the tracker that times the phases (the
+    caller starts the step on it: `begin_step`), gradient clipping and micro-batches a step.
 
-    `scaler` (fp16; a disabled one otherwise) scales the loss before backward; if the unscaled
-    gradients hold inf/NaN on any rank the step is skipped: no clipping, no optimizer step,
-    gradients dropped, and the scaler backs off. Clipping sees unscaled gradients.
-    `before_update` runs just before the optimizer changes any state: an async checkpoint still
-    copying the previous step's state waits there, overlapped with this step's compute.
-    `observe_grads` sees the final gradients before clipping (per-layer statistics).
-    `judge(loss, grad_norm)` sees the step's global loss and gradient norm before the update (NaN
-    and spike triage); a verdict it returns rejects the step: gradients dropped, no update.
-    `probe(where)` meets every rank at the step's start, after each micro-batch's data and after
-    backward (train/stragglers.py: who the others wait for); logged steps only.
+    `step(batches, observer, judge)`: forward and backward over the micro-batches, then unscale,
+    clip and update. If the unscaled gradients hold inf/NaN on any rank the step is skipped: no
+    clipping, no optimizer step, gradients dropped, and the scaler backs off. Clipping sees
+    unscaled gradients. The `observer` (train/observers.py) meets the step at its points: `at`
+    the start, after each micro-batch's data and after backward (the straggler probes),
+    `observe_grads` with the final gradients before clipping (layer statistics), and
+    `before_update` just before the optimizer changes any state (an async checkpoint still
+    copying the previous step's state waits there). `judge(loss, grad_norm)` sees the step's
+    global loss and gradient norm before the update (NaN and spike triage); a verdict it returns
+    rejects the step: gradients dropped, no update.
     """
-    device = engine.rt.device
-    loss_scale = scaler.scale_value
-    loss_sum = torch.zeros((), device=device)
-    if probe is not None:
-        probe("start")
-    for _ in range(accum_steps):
-        tracker.enter(Phase.DATA)
-        batch = to_device(next(batches), device)
-        if probe is not None:
-            probe("data")
-        loss = engine.forward_backward(batch, accum_steps, scaler)
-        if loss is not None:
-            loss_sum += loss
-    if probe is not None:
-        probe("compute")
 
-    tracker.enter(Phase.GRAD_SYNC, detail="gradient unscale")
-    found_inf = scaler.unscale_(list(engine.model.parameters()))  # all ranks agree
-    if found_inf:
-        # Overflow: the update would be garbage. Weights and optimizer state stay as they are.
-        optimizer.zero_grad(set_to_none=True)
-        grad_norm = torch.tensor(float("inf"))
-    else:
-        if observe_grads is not None:
-            tracker.enter(Phase.GRAD_SYNC, detail="layer statistics")
-            observe_grads()
-        tracker.enter(Phase.GRAD_SYNC, detail="gradient norm")
-        # max_norm=inf measures the norm without clipping, so grad_norm is always reported.
-        grad_norm = engine.clip_grad_norm(grad_clip if grad_clip > 0 else float("inf"))
-    scaler.update(found_inf)
-    tracker.enter(Phase.GRAD_SYNC, detail="loss report")
-    loss = engine.report_loss(loss_sum / accum_steps).item()  # on an accelerator: waits for backward
-    grad_norm = grad_norm.item()
-    rejected = judge(loss, grad_norm) if judge is not None and not found_inf else None
-    if not found_inf and rejected is None:
-        if before_update is not None:
-            tracker.enter(Phase.CHECKPOINT, detail="waiting for the checkpoint copy")
-            before_update()
-        tracker.enter(Phase.OPTIMIZER)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-    elif rejected is not None:
-        optimizer.zero_grad(set_to_none=True)  # a bad step: the weights stay as they are
-    return StepResult(
-        loss=loss, grad_norm=grad_norm, phases=reported(tracker.take_durations()),
-        loss_scale=loss_scale if scaler.enabled else None, skipped=found_inf, rejected=rejected,
-    )
+    def __init__(self, engine: Engine, objective: Objective, optimizer: torch.optim.Optimizer, scaler: LossScaler,
+                 tracker: PhaseTracker, grad_clip: float, micro_batches: int):
+        self.engine, self.objective, self.optimizer = engine, objective, optimizer
+        self.scaler, self.tracker = scaler, tracker
+        self.grad_clip, self.micro_batches = grad_clip, micro_batches
+
+    @classmethod
+    def next_token(cls, engine: Engine, optimizer: torch.optim.Optimizer, micro_batches: int, grad_clip: float,
+                   scaler: LossScaler, tracker: PhaseTracker) -> Step:
+        """A pre-training step (`NextTokenLoss`) of `micro_batches` micro-batches."""
+        return cls(engine, NextTokenLoss(micro_batches), optimizer, scaler, tracker, grad_clip, micro_batches)
+
+    def __call__(self, batches: Iterator[Batch], observer: StepObserver = NO_OBSERVER,
+                 judge: Callable[[float, float], object] | None = None) -> StepResult:
+        engine, scaler, tracker = self.engine, self.scaler, self.tracker
+        loss_scale = scaler.scale_value
+        loss_sum = torch.zeros((), device=engine.rt.device)
+        observer.at("start")
+        for _ in range(self.micro_batches):
+            tracker.enter(Phase.DATA)
+            batch = to_device(next(batches), engine.rt.device)
+            observer.at("data")
+            loss = engine.forward_backward(batch, self.objective, scaler)
+            if loss is not None:
+                loss_sum += loss
+        observer.at("compute")
+
+        tracker.enter(Phase.GRAD_SYNC, detail="gradient unscale")
+        found_inf = scaler.unscale_(list(engine.model.parameters()))  # all ranks agree
+        if found_inf:
+            # Overflow: the update would be garbage. Weights and optimizer state stay as they are.
+            self.optimizer.zero_grad(set_to_none=True)
+            grad_norm = torch.tensor(float("inf"))
+        else:
+            observer.observe_grads()
+            tracker.enter(Phase.GRAD_SYNC, detail="gradient norm")
+            # max_norm=inf measures the norm without clipping, so grad_norm is always reported.
+            grad_norm = engine.clip_grad_norm(self.grad_clip if self.grad_clip > 0 else float("inf"))
+        scaler.update(found_inf)
+        tracker.enter(Phase.GRAD_SYNC, detail="loss report")
+        # On an accelerator `.item()` waits for backward.
+        loss = engine.report_loss(self.objective.finish(loss_sum, self.micro_batches)).item()
+        grad_norm = grad_norm.item()
+        rejected = judge(loss, grad_norm) if judge is not None and not found_inf else None
+        if not found_inf and rejected is None:
+            observer.before_update()
+            tracker.enter(Phase.OPTIMIZER)
+            self.optimizer.step()
+            self.optimizer.zero_grad(set_to_none=True)
+        elif rejected is not None:
+            self.optimizer.zero_grad(set_to_none=True)  # a bad step: the weights stay as they are
+        return StepResult(
+            loss=loss, grad_norm=grad_norm, phases=reported(tracker.take_durations()),
+            loss_scale=loss_scale if scaler.enabled else None, skipped=found_inf, rejected=rejected,
+            figures=self.objective.figures(),
+        )
 
 
 @torch.no_grad()
-def evaluate(engine: Engine, batches: list[Batch], tracker: PhaseTracker) -> float:
+def evaluate(engine: Engine, objective: Objective, batches: list[Batch], tracker: PhaseTracker) -> float:
     """Mean loss over fixed held-out batches, every layout alike."""
     tracker.enter(Phase.EVALUATION)
     model = engine.model
@@ -141,7 +144,7 @@ def evaluate(engine: Engine, batches: list[Batch], tracker: PhaseTracker) -> flo
     model.eval()
     total = torch.zeros((), device=engine.rt.device)
     for batch in batches:
-        loss = engine.eval_loss(to_device(batch, engine.rt.device))
+        loss = engine.eval_loss(to_device(batch, engine.rt.device), objective)
         if loss is not None:
             total += loss
     model.train(was_training)

@@ -54,7 +54,7 @@ class StragglerProbes:
 
     def figures(self, phases: dict[str, float]) -> list[float]:
         """This rank's [data, compute, comm, data-probe wait, compute-probe wait] seconds of the step
-        whose `phases` (train_step's) these probes timed."""
+        whose `phases` (the Step's result) these probes timed."""
         probed = sum(self.waits.values())
         compute = phases["forward"] + phases["backward"] + phases["optimizer"]
         return [phases["data"], compute, max(phases["grad_sync"] - probed, 0.0), self.waits["data"],

@@ -13,24 +13,23 @@ import torch
 from trainbook.config import Config
 from trainbook.data.loader import Batch
 from trainbook.diagnose.profile import device_sync
-from trainbook.precision import LossScaler
-from trainbook.train.engine import LocalEngine
+from trainbook.train.step import Step
 
 
-def compile_first(engine: LocalEngine, optimizer: torch.optim.Optimizer, scaler: LossScaler, cfg: Config,
-                  evaluate: bool) -> float:
+def compile_first(step: Step, cfg: Config, evaluate: bool) -> float:
     """Trace and compile what a training step (and, if `evaluate`, an evaluation) runs; seconds."""
-    t, device = cfg.train, engine.rt.device
+    t, engine = cfg.train, step.engine
+    device = engine.rt.device
     start = time.perf_counter()
     zeros = torch.zeros(t.micro_batch_size, t.seq_len, dtype=torch.long, device=device)
     positions = torch.arange(t.seq_len, device=device).expand_as(zeros) if cfg.data.packing == "document" else None
     batch = Batch(zeros, zeros, positions)
-    engine.forward_backward(batch, 1, scaler)
-    optimizer.zero_grad(set_to_none=True)
+    engine.forward_backward(batch, step.objective, step.scaler)
+    step.optimizer.zero_grad(set_to_none=True)
     if evaluate:
         with torch.no_grad():
             engine.model.eval()
-            engine.eval_loss(batch)
+            engine.eval_loss(batch, step.objective)
             engine.model.train()
     sync = device_sync(device)
     if sync is not None:

@@ -8,7 +8,7 @@ from trainbook.precision import Precision
 from trainbook.train.optim import build_optimizer, optimizer_state
 from trainbook.phase import PhaseTracker
 from trainbook.train.engine import LocalEngine
-from trainbook.train.step import train_step
+from trainbook.train.step import Step
 
 
 def _model(**overrides):
@@ -30,8 +30,8 @@ def test_frozen_parameters_stay_bitwise_and_get_no_state():
     batches = _batches(512)
     for _ in range(3):
         precision = Precision(PrecisionConfig(), torch.device("cpu"))
-        train_step(LocalEngine.one_process(model, precision), optimizer, batches, 2, 1.0,
-                   precision.loss_scaler(), PhaseTracker())
+        Step.next_token(LocalEngine.one_process(model, precision), optimizer, 2, 1.0,
+                        precision.loss_scaler(), PhaseTracker())(batches)
     frozen = [n for n in before if n.startswith(("tok_embeddings.", "layers.0."))]
     assert frozen and all(torch.equal(dict(model.named_parameters())[n], before[n]) for n in frozen)
     assert all(dict(model.named_parameters())[n].grad is None for n in frozen)

@@ -16,7 +16,7 @@ from trainbook.parallel.dims import ParallelDims
 from trainbook.precision import Precision
 from trainbook.phase import PhaseTracker
 from trainbook.train.engine import LocalEngine
-from trainbook.train.step import train_step
+from trainbook.train.step import Step
 
 CPU = torch.device("cpu")
 
@@ -42,8 +42,8 @@ def test_compiled_blocks_give_eager_losses():
         opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
         it = iter(batches)
         losses = [
-            train_step(LocalEngine.one_process(model, Precision(cfg.precision, CPU)), opt, it, 2, 1.0,
-                       Precision(cfg.precision, CPU).loss_scaler(), PhaseTracker()).loss
+            Step.next_token(LocalEngine.one_process(model, Precision(cfg.precision, CPU)), opt, 2, 1.0,
+                            Precision(cfg.precision, CPU).loss_scaler(), PhaseTracker())(it).loss
             for _ in range(4)
         ]
         runs[compiled] = losses, {k: v.detach().clone() for k, v in model.state_dict().items()}

@@ -10,7 +10,7 @@ from trainbook.model import build_model, resolve
 from trainbook.phase import Phase, PhaseTracker
 from trainbook.precision import Precision
 from trainbook.train.engine import LocalEngine
-from trainbook.train.step import train_step
+from trainbook.train.step import Step
 
 CPU = torch.device("cpu")
 
@@ -37,8 +37,8 @@ def test_another_thread_sees_the_step_and_phase_a_real_step_is_in():
     tokens = torch.randint(0, model.cfg.vocab_size, (2, 17), generator=torch.Generator().manual_seed(0))
     batches = iter([Batch(tokens[:, :-1], tokens[:, 1:], None)])
     tracker.begin_step(7)
-    result = train_step(engine, torch.optim.AdamW(model.parameters()), batches, 1, 1.0,
-                        precision.loss_scaler(), tracker)
+    result = Step.next_token(engine, torch.optim.AdamW(model.parameters()), 1, 1.0,
+                             precision.loss_scaler(), tracker)(batches)
     thread.join()
     handle.remove()
 

@@ -21,7 +21,7 @@ from trainbook.model import build_model, llama, resolve
 from trainbook.precision import COMPUTE_DTYPES, FP32_OPS, LossScaler, Precision
 from trainbook.phase import PhaseTracker
 from trainbook.train.engine import LocalEngine, lm_loss
-from trainbook.train.step import train_step
+from trainbook.train.step import Step
 
 CPU = torch.device("cpu")
 LOW = [torch.bfloat16, torch.float16]
@@ -59,8 +59,8 @@ def batch_stream(tokens: torch.Tensor, batch: int, seq: int, seed: int):
 
 
 def step(model, opt, batches, prec, scaler, accum_steps=1):
-    return train_step(LocalEngine.one_process(model, prec), opt, batches, accum_steps, 1.0,
-                      scaler if scaler is not None else prec.loss_scaler(), PhaseTracker())
+    return Step.next_token(LocalEngine.one_process(model, prec), opt, accum_steps, 1.0,
+                           scaler if scaler is not None else prec.loss_scaler(), PhaseTracker())(batches)
 
 
 def snapshot(model, opt) -> dict[str, torch.Tensor]:
