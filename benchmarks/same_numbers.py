@@ -68,8 +68,7 @@ def fingerprint(run_dir: Path) -> dict:
         elif path.suffix == ".json":  # the manifest less its time; it and each rank's file list less .metadata's CRC
             record = json.loads(data)
             record.pop("time", None)
-            files = record.get("files", record)
-            files.pop(".metadata", None)
+            record.get("files", record).pop(".metadata", None)
             data = json.dumps(record, sort_keys=True).encode()
         files[str(path.relative_to(ckpt))] = hashlib.sha256(data).hexdigest()
     return {

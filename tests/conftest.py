@@ -150,6 +150,51 @@ def prepared_recipe(tmp: Path, data: DebugData | None = None) -> Path:
     return recipe
 
 
+@dataclass(frozen=True)
+class SharedRun:
+    """A run several test modules read: its recipe, directory and finished process."""
+
+    recipe: Path
+    run_dir: Path
+    done: subprocess.CompletedProcess
+
+
+def _shared_run(tmp_path_factory, data: DebugData, name: str, *overrides: str,
+                env: dict[str, str] | None = None) -> SharedRun:
+    tmp = tmp_path_factory.mktemp(name)
+    recipe = prepared_recipe(tmp, data)
+    run_dir = tmp / "run"
+    done = run_cli("run", str(recipe), *overrides, "--run-dir", str(run_dir), cwd=tmp, env=env,
+                   timeout=CHILD_TIMEOUT_S)
+    return SharedRun(recipe, run_dir, done)
+
+
+SLOW_DATA_PAIR = ("train.max_steps=8", "train.eval_every=0", "log.every_steps=1", "alerts.straggler_every=2",
+                  "--nproc", "2")
+SLOW_DATA_FAULT = {"TRAINBOOK_FAULT": "data.slow_batch@4+", "TRAINBOOK_FAULT_RANK": "1"}
+
+
+@pytest.fixture(scope="session")
+def slow_data_pair(tmp_path_factory, debug_data) -> SharedRun:
+    """A 2-rank run whose rank 1's data is slow from step 4 on (`data.slow_batch`: 9 times its
+    clean steps' median late): 8 steps, every one logged, the straggler probes on every 2nd.
+    The straggler alert (test_stragglers) and doctor's straggler verdict (test_doctor) read it."""
+    return _shared_run(tmp_path_factory, debug_data, "slow-data-pair", *SLOW_DATA_PAIR, env=SLOW_DATA_FAULT)
+
+
+CLEAN_PAIR = ("train.max_steps=400", "log.every_steps=1", "train.eval_every=200", "checkpoint.interval_steps=200",
+              "parallel.hang_timeout_s=10", "parallel.timeout_s=120", "--nproc", "2")
+
+
+@pytest.fixture(scope="session")
+def clean_pair(tmp_path_factory, debug_data) -> SharedRun:
+    """A clean 2-rank run of 400 steps, every one logged (the straggler probes on every 4th, the
+    default), an eval and a checkpoint at 200, the hang watchdog on at 10 s. No straggler
+    (test_stragglers) and no hang (test_hang) may be found in it; its first steps are the probed
+    side of the straggler bitwise test."""
+    return _shared_run(tmp_path_factory, debug_data, "clean-pair", *CLEAN_PAIR)
+
+
 @pytest.fixture(scope="session")
 def shakespeare_cache(tmp_path_factory) -> Path:
     """The embedded default recipe's data, prepared once for every test that runs that recipe."""

@@ -9,6 +9,7 @@ order, exactly or with the numbers and run ids masked (`masked`), as each test s
 
 from __future__ import annotations
 
+import json
 import re
 import socket
 from dataclasses import dataclass
@@ -21,6 +22,7 @@ _FENCE = re.compile(r"^(?P<indent> *)```(?P<lang>\w*)\n(?P<body>.*?)^(?P=indent)
 _HEADING = re.compile(r"^(#{1,6}) (.+)$", flags=re.M)
 _NUMBER = re.compile(r"\d+(?:[.,]\d+)*")
 _RUN_ID = re.compile(r"\b\d{8}-\d{6}-[0-9a-f]{6}\b")
+_CUT = re.compile(r"(, )?\.\.\.[}\]]?$")  # what ends a README line that shows the start of a printed one
 
 README_HOST = "vm"
 """The host name the README's transcripts were printed on (`host vm`, `on vm`)."""
@@ -130,8 +132,9 @@ def masked(text: str) -> str:
 def missing_lines(expected: list[str], output: str, *, mask: bool = False) -> list[str]:
     """The README lines `expected` that do not appear in `output` in the same order (other lines
     may lie between them; a `...` line is the README saying so, and a line ending in `...` stands
-    for a printed line that begins with what comes before it); with `mask`, numbers are compared
-    as `masked` writes them. An empty list means the README shows what was printed."""
+    for a printed line that begins with what comes before it, as does a JSON line ending in
+    `, ...}` or `, ...]`: the keys or items shown, the rest left out); with `mask`, numbers are
+    compared as `masked` writes them. An empty list means the README shows what was printed."""
     norm = masked if mask else (lambda s: s)
     printed = [norm(line.rstrip()) for line in output.splitlines()]
     missing, at = [], 0
@@ -139,8 +142,8 @@ def missing_lines(expected: list[str], output: str, *, mask: bool = False) -> li
         if line.strip() == "...":
             continue
         want = norm(line.rstrip())
-        cut = want.endswith("...")
-        want = want.removesuffix("...")
+        cut = _CUT.search(want)
+        want = want[:cut.start()] if cut else want
         found = next((i for i in range(at, len(printed))
                       if (printed[i].startswith(want) if cut else printed[i] == want)), None)
         if found is None:
@@ -188,3 +191,15 @@ def assert_printed(marker: str, output: str, *, command: str | None = None, mask
     missing = missing_lines(shown(marker, command), out, mask=mask)
     assert not missing, (f"README.md:{block_after(marker).line}: the block after {marker!r} shows lines that were "
                          "not printed:\n" + "\n".join(missing) + "\n--- printed:\n" + out[-3000:])
+
+
+def fields(record: dict) -> str:
+    """A JSON object one top-level key a line (`"key": value`, each value as `json.dumps` writes
+    it): how a README block quotes the parts of a file such as oom/breakdown.json."""
+    return "".join(f"{json.dumps(k)}: {json.dumps(v)}\n" for k, v in record.items())
+
+
+def events(text: str) -> str:
+    """events.jsonl's lines as the README quotes them: each record without its `time`."""
+    records = (json.loads(line) for line in text.splitlines())
+    return "".join(json.dumps({k: v for k, v in r.items() if k != "time"}) + "\n" for r in records)

@@ -21,6 +21,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests import readme
 from tests.conftest import prepared_recipe, run_cli
 from trainbook.checkpoint import load_state, read_latest
 from trainbook.config import load_config
@@ -108,6 +109,7 @@ def test_the_same_failure_at_the_same_step_ends_with_the_repeated_failure_verdic
     assert len(lines) == 1 and lines[0].startswith(
         "trainbook: error: step 5 failed 3 times in a row (rank 1 (killed by SIGKILL) each time): a failure that "
         "repeats; the 2 restarts of --max-restarts are spent"), done.stderr
+    readme.assert_printed("every attempt, `--max-restarts 2`):", done.stderr)
     failed = _events(run_dir, "worker_failed")
     assert [(e["rank"], e["signal"], e["step"], e["then"]) for e in failed] == \
         [(1, "SIGKILL", 5, "restart"), (1, "SIGKILL", 5, "restart"), (1, "SIGKILL", 5, "give up")]
@@ -216,6 +218,8 @@ def test_a_lost_node_shrinks_the_run_and_its_return_grows_it_back(recipe, tmp_pa
     assert [(f["exit_code"], f["step"]) for f in shrink["failed"]] == [(1, 6)] and not _events(run_dir, "hang")
     assert (grow["world_size"], grow["previous_world_size"], grow["failed"]) == (2, 1, [])
     assert grow["resumed_step"] == 9  # the SIGTERM's checkpoint, after the step it was in
+    readme.assert_printed("with its worker after step 5:", readme.events((run_dir / "events.jsonl").read_text()),
+                          mask=True)
     ours = _train(run_dir)
     # Every step once; the data position after step k is k global batches of 8 samples, on 2
     # ranks, on 1 and on 2 again: no sample trained twice, none skipped.

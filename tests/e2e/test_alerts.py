@@ -292,7 +292,8 @@ def _files_holding(root: Path, secret: str) -> list[str]:
 
 def test_a_webhook_secret_is_never_written(recipe, tmp_path, receiver):
     """The URL from an environment variable reaches the server; given on the command line it is
-    archived only as its fingerprint: no file of either run directory holds the secret."""
+    archived only as its fingerprint, and so is the recipe's own URL that the command line
+    replaced: no file of either run directory holds a secret."""
     from trainbook.config.secrets import fingerprint
 
     by_env, by_arg = tmp_path / "env", tmp_path / "arg"
@@ -301,10 +302,15 @@ def test_a_webhook_secret_is_never_written(recipe, tmp_path, receiver):
          "triage.on_nonfinite=ignore", fault="model.block_nan@4", TRAINBOOK_FAULT_BLOCK="1",
          TB_TEST_HOOK=f"{receiver.url}?token={secret_env}")
     assert [(p["rule"], p["step"]) for p in receiver.received()] == [("nonfinite", 4)]
+    secret_recipe = "s3cr3t-in-the-recipe"
+    with_secret = tmp_path / "with-secret.toml"
+    with_secret.write_text(recipe.read_text() + f'\n[alerts]\nwebhook_url = "{receiver.url}?token={secret_recipe}"\n')
     url = f"{receiver.url}?token={secret_arg}"
-    _run(recipe, by_arg, "train.max_steps=4", "train.eval_every=0", "checkpoint.interval_steps=2",
+    _run(with_secret, by_arg, "train.max_steps=4", "train.eval_every=0", "checkpoint.interval_steps=2",
          f"alerts.webhook_url={url}")
     assert _files_holding(by_env, secret_env) == [] and _files_holding(by_arg, secret_arg) == []
+    assert _files_holding(by_arg, secret_recipe) == []
+    assert fingerprint(f"{receiver.url}?token={secret_recipe}") in (by_arg / "recipe.toml").read_text()
     resolved = tomllib.loads((by_arg / "config.resolved.toml").read_text())
     assert resolved["alerts"]["webhook_url"] == fingerprint(url)  # compare and resume still see a change
     manifest = json.loads((by_arg / "checkpoints" / "step-2" / "manifest.json").read_text())

@@ -90,16 +90,18 @@ def test_a_killed_run_died_after_its_step(killed):
     assert out.splitlines()[0] == ("died: the process was killed between steps, after step 3's record "
                                    "(no end marker, no live process)"), out
     assert "last train record: step 3 of 8" in out
+    readme.assert_printed("A run killed by SIGKILL after step 3", out, mask=True)
 
 
-def test_a_rank_with_a_slow_source_is_the_straggler(recipe):
-    run_dir, done = _run(recipe, "straggler", "--nproc", "2",
-                         env={"TRAINBOOK_FAULT": "data.slow_batch@3+", "TRAINBOOK_FAULT_RANK": "1"})
-    assert [r["step"] for r in _train(run_dir)] == list(range(1, 9)), done.stderr
+def test_a_rank_with_a_slow_source_is_the_straggler(slow_data_pair):
+    # The session's 2-rank run whose rank 1's data is slow from step 4 (tests/conftest.py).
+    run_dir = slow_data_pair.run_dir
+    assert [r["step"] for r in _train(run_dir)] == list(range(1, 9)), slow_data_pair.done.stderr
     code, out = _doctor(run_dir)
     assert code == 1, out
     assert out.splitlines()[0].startswith("straggler: rank 1 waits for its data longer than rank 0 by "), out
     assert re.search(r"worst: step \d, rank 1 waited [\d.]+ s, rank 0 [\d.]+ s", out), out
+    readme.assert_printed("Rank 1 of two slowed from step 4", out, mask=True)
 
 
 def test_not_a_run_directory_is_one_line(tmp_path):

@@ -13,6 +13,7 @@ import json
 import os
 import re
 import time
+import tomllib
 from pathlib import Path
 
 import pytest
@@ -28,9 +29,9 @@ QUICK = (f"parallel.hang_timeout_s={HANG_TIMEOUT_S}", "parallel.timeout_s=120", 
 
 
 @pytest.fixture(scope="module")
-def recipe(tmp_path_factory) -> Path:
-    """The debug recipe with its data prepared once for every run in this module."""
-    return prepared_recipe(tmp_path_factory.mktemp("hang"))
+def recipe(tmp_path_factory, debug_data) -> Path:
+    """The debug recipe over the session's prepared data, for every run in this module."""
+    return prepared_recipe(tmp_path_factory.mktemp("hang"), debug_data)
 
 
 def _hang(recipe: Path, run_dir: Path, action: str):
@@ -103,6 +104,10 @@ def test_stopped_rank_is_named_from_its_last_record_and_killed(recipe, tmp_path)
     assert re.search(r"rank 0 waits in \w+ #\d+ \(step 3, forward\); rank 1 \(host [^)]+, pid \d+\) cannot speak "
                      r"\(stopped, in a kernel, or in a C call that holds the GIL\) and had not reached it when "
                      r"last heard from \(.+ of step \d\); stack taken from outside in hang/rank1.txt$", line), line
+    # Where it was last heard from depends on when its last record went out: read as the README's.
+    heard = re.search(r"when last heard from \((.+?)\);", line)[1]
+    readme.assert_printed("The same rank stopped whole", done.stderr, mask=True,
+                          replace={f"last heard from ({heard})": "last heard from (optimizer of step 1)"})
     verdict = json.loads((run_dir / "hang" / "verdict.json").read_text())
     assert verdict["silent"] == [1] and [s["speaks"] for s in verdict["stuck"]] == [False]
     assert verdict["killed"] == [1]
@@ -122,13 +127,12 @@ def test_hang_timeout_not_below_the_collective_timeout_is_bad_input(recipe, tmp_
     assert "parallel.hang_timeout_s" in line and "must be below parallel.timeout_s (10 s)" in line, line
 
 
-def test_clean_run_writes_no_hang(recipe, tmp_path):
-    # Watchdog on, with a timeout no step of this tiny model comes near even on a loaded machine,
-    # over a run that lasts longer than it (hundreds of steps): judged by progress, not by time.
-    run_dir = tmp_path / "clean"
-    done = run_cli("run", str(recipe), "parallel.hang_timeout_s=10", "parallel.timeout_s=120", "train.max_steps=400",
-                   "log.every_steps=50", "train.eval_every=200", "checkpoint.interval_steps=200",
-                   "--run-dir", str(run_dir), "--nproc", "2", cwd=recipe.parent, timeout=600)
-    assert done.returncode == 0, done.stderr
-    assert not (run_dir / "hang").exists()
-    assert not [e for e in _events(run_dir) if e["kind"] == "hang"]
+def test_clean_run_writes_no_hang(clean_pair):
+    # The session's clean 2-rank run (tests/conftest.py): the watchdog on at 10 s, with a timeout no
+    # step of this tiny model comes near even on a loaded machine, over a run that lasts longer
+    # than it (400 steps, an eval and a checkpoint): judged by progress, not by time.
+    assert clean_pair.done.returncode == 0, clean_pair.done.stderr
+    resolved = tomllib.loads((clean_pair.run_dir / "config.resolved.toml").read_text())
+    assert resolved["parallel"]["hang_timeout_s"] == 10  # the watchdog was on
+    assert not (clean_pair.run_dir / "hang").exists()
+    assert not [e for e in _events(clean_pair.run_dir) if e["kind"] == "hang"]

@@ -36,8 +36,8 @@ BREAKDOWN_KEYS = {"step", "rank", "phase", "block", "device", "error", "requeste
 
 
 @pytest.fixture(scope="module")
-def recipe(tmp_path_factory) -> Path:
-    return prepared_recipe(tmp_path_factory.mktemp("oom"))
+def recipe(tmp_path_factory, debug_data) -> Path:
+    return prepared_recipe(tmp_path_factory.mktemp("oom"), debug_data)
 
 
 def _events(run_dir: Path) -> list[dict]:
@@ -83,6 +83,7 @@ def test_an_allocation_that_fails_in_a_block_is_diagnosed(recipe, tmp_path):
     # A PiB is no layout's problem: the line says so instead of suggesting one.
     assert line.endswith("no layout makes it fit"), line
     assert breakdown["verdict"] == line.removeprefix("trainbook: error: ")
+    readme.assert_printed("The breakdown, measured against plan", readme.fields(breakdown), mask=True)
 
     oom = [e for e in _events(run_dir) if e["kind"] == "oom"]
     assert len(oom) == 1 and oom[0]["breakdown"] == "oom/breakdown.json" and oom[0]["verdict"] == breakdown["verdict"]
@@ -143,6 +144,8 @@ def test_a_leak_alert_names_the_phase_that_grows(recipe, tmp_path, fault, phase)
     growth = [e for e in _events(run_dir) if e["kind"] == "alert" and e["rule"] == "memory_growth"]
     assert growth, _events(run_dir)
     assert f"; it grows in phase {phase} (" in growth[0]["message"], growth[0]["message"]
+    if fault == "model.block_leak":
+        readme.assert_printed("16 MiB kept per step by a block's forward", growth[0]["message"], mask=True)
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     late = [r["mem_growth_by_phase"] for r in records if r["kind"] == "train" and r["step"] >= 6]
     assert all(r[phase] >= 15 << 20 for r in late), late
@@ -231,6 +234,7 @@ def test_a_real_allocation_failure_under_an_address_space_limit_gives_advice_tha
                     line), line
     breakdown = json.loads((run_dir / "oom" / "breakdown.json").read_text())
     assert breakdown["verdict"] == line.removeprefix("trainbook: error: ")
+    readme.assert_printed("The breakdown, measured against plan", readme.fields(breakdown), mask=True)
     assert "DefaultCPUAllocator: can't allocate memory" in breakdown["error"], breakdown["error"]
     advice = re.search(r"; try (.+?)(?: with --nproc (\d+))? \(plan: [^)]+/rank\)$", line)
     assert advice, line

@@ -25,10 +25,10 @@ class _Touch:
 
 
 @pytest.fixture(scope="module")
-def trained(tmp_path_factory) -> tuple[Path, Path]:
+def trained(tmp_path_factory, debug_data) -> tuple[Path, Path]:
     """(recipe, run directory) of one short run with a committed checkpoint."""
     tmp = tmp_path_factory.mktemp("safety")
-    recipe = prepared_recipe(tmp)
+    recipe = prepared_recipe(tmp, debug_data)
     run_dir = tmp / "run"
     done = run_cli("run", str(recipe), "--run-dir", str(run_dir), "train.max_steps=2", "train.eval_every=0")
     assert done.returncode == 0, done.stderr

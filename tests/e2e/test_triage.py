@@ -25,9 +25,9 @@ QUICK = ("log.every_steps=1", "train.eval_every=0", "run.threads=1")
 
 
 @pytest.fixture(scope="module")
-def recipe(tmp_path_factory) -> Path:
-    """The debug recipe (2 micro-batches of 4 x 32 tokens a step) with its data prepared once."""
-    return prepared_recipe(tmp_path_factory.mktemp("triage"))
+def recipe(tmp_path_factory, debug_data) -> Path:
+    """The debug recipe (2 micro-batches of 4 x 32 tokens a step) over the session's prepared data."""
+    return prepared_recipe(tmp_path_factory.mktemp("triage"), debug_data)
 
 
 def _run(recipe: Path, run_dir: Path, *overrides: str, fault: str | None = None, block: int = 1,
@@ -162,6 +162,7 @@ def test_rollback_skips_the_window_and_a_resume_does_not_replay_it(recipe, tmp_p
     done = _run(recipe, straight, *ROLLBACK, fault="data.nan_batch@5")
     assert done.returncode == 0, done.stderr
     assert "rolled back to checkpoint step-4 and skipping the 2 batches of data after it" in done.stdout
+    readme.assert_printed("whenever it is trained on (`TRAINBOOK_FAULT=data.nan_batch@5`", done.stdout, mask=True)
     rollback = _events(straight, "rollback")
     assert [(e["step"], e["to_step"], e["skipped_samples"], e["path"]) for e in rollback] == \
         [(5, 4, [32, 48], "checkpoints/step-4")]
@@ -192,6 +193,7 @@ def test_a_loss_spike_is_judged_by_the_robust_rule_and_skipped(recipe, tmp_path)
                         r"last 8 steps; every module output and gradient is finite; 8 of 8 rows of batch-dp0.json "
                         r"differ from their source's tokens; reproducible: the re-run gave loss [\d.]+, grad norm "
                         r"[\d.]+; step skipped, weights unchanged; incident in incidents/step-18/", line), line
+    readme.assert_printed("(`TRAINBOOK_FAULT=data.random_batch@18`", done.stdout, mask=True)
     incident = json.loads((run_dir / "incidents" / "step-18" / "incident.json").read_text())
     assert incident["kind"] == "spike" and incident["z"] > 20 and incident["trend"] < incident["loss"]
     assert [e["step"] for e in _events(run_dir, "incident")] == [18]  # the clean steps judged nothing

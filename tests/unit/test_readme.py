@@ -148,15 +148,17 @@ def test_the_block_machinery_reads_transcripts_and_compares_in_order():
     assert readme.missing_lines(['{"a": 1, ...'], '{"a": 1, "b": 2}') == []  # a cut line: its beginning
     assert readme.missing_lines(['{"a": 1, ...'], '{"a": 2, "b": 2}') == ['{"a": 1, ...']
     assert readme.missing_lines(["x 1.5"], "x 2.25") == ["x 1.5"]  # numbers count unless masked
+    # A JSON line that shows its first keys or items: the printed line begins with them.
+    assert readme.missing_lines(['{"a": 1, ...}', '"l": [1, ...]'], '{"a": 1, "b": 2}\n"l": [1, 2]') == []
+    assert readme.missing_lines(['{"a": 1, ...}'], '{"b": 2, "a": 1}') == ['{"a": 1, ...}']
     assert readme.masked("run: runs/x/20261202-021153-85b56e (20 of 900)") == "run: runs/x/<run> (# of #)"
 
 
 # Every fenced block of the README, by the start of its first line, and what it is:
 #   ("input", what): commands, recipes or layouts to type or read, not output;
-#   ("compared", test file): output the test produces with the real command (or reads from the
-#       committed file it comes from) and compares with the block, through tests/readme.py;
-#   ("printed", (test file, fragment)): what one run here printed; the test asserts the line
-#       holding `fragment` on its own run, but does not read the block;
+#   ("compared", test file[, marker]): output the test produces with the real command (or reads
+#       from the committed file it comes from) and compares with the block, through
+#       tests/readme.py; with `marker`, the test names the block by it (`block_after(marker)`);
 #   ("printed", None, why): what one run here printed, checked by nothing, and why.
 BLOCKS = {
     "make run ": ("input", "the two make targets"),
@@ -167,7 +169,7 @@ BLOCKS = {
     "runs/<run.name>/": ("input", "the run directory's layout"),
     "trainbook report runs/": ("input", "commands"),
     "trainbook run RECIPE monitor.prometheus_port": ("input", "commands"),
-    "$ TRAINBOOK_FAULT=data.slow_batch@4+": ("printed", ("tests/e2e/test_stragglers.py", "is the straggler for")),
+    "$ TRAINBOOK_FAULT=data.slow_batch@4+": ("compared", "tests/e2e/test_stragglers.py", "in which it spends the most more than"),
     '{"run": "tiny-shakespeare", "rank": 0, "rule": "stall"': ("input", "the alert JSON's format, an example"),
     "trainbook run --run-dir runs/": ("input", "commands"),
     "trainbook run RECIPE --nproc 4": ("input", "commands"),
@@ -178,21 +180,22 @@ BLOCKS = {
     "trainbook bench data my-recipe.toml": ("compared", "tests/e2e/test_tutorial.py"),
     "TRAINBOOK_FAULT=train.after_step@5:r1:a0": ("compared", "tests/e2e/test_tutorial.py"),
     "$ TRAINBOOK_FAULT=check.slow_matmul": ("compared", "tests/e2e/test_readme_output.py"),  # its `run` line
-    "$ trainbook doctor runs/slow": ("printed", ("tests/e2e/test_doctor.py", "data-bound: waiting for data")),
-    "straggler: rank 1 waits for its data": ("printed", ("tests/e2e/test_doctor.py", "waits for its data longer")),
-    "died: the process was killed": ("printed", ("tests/e2e/test_doctor.py", "died: the process was killed")),
+    "$ trainbook doctor runs/slow": ("compared", "tests/e2e/test_doctor.py", "A slow input path"),
+    "straggler: rank 1 waits for its data": ("compared", "tests/e2e/test_doctor.py", "Rank 1 of two slowed from step 4"),
+    "died: the process was killed": ("compared", "tests/e2e/test_doctor.py", "A run killed by SIGKILL after step 3"),
     "trainbook run RECIPE --nproc 8 --max-restarts": ("input", "commands"),
-    "restart 1: rank 1 (SIGKILL)": ("printed", ("tests/dist/test_elastic.py", "steps_lost")),
-    "trainbook: error: step 5 failed 3 times": ("printed", ("tests/dist/test_elastic.py", "failed 3 times in a row")),
-    '{"kind": "restart", "step": 4': ("printed", ("tests/dist/test_elastic.py", "steps_lost")),
-    "$ trainbook run unit.toml --nproc 2 parallel.hang_timeout_s=4": ("printed", ("tests/e2e/test_hang.py", "never reached it")),
-    "trainbook: error: rank 0 waits in all_gather": ("printed", ("tests/e2e/test_hang.py", "cannot speak")),
-    "$ trainbook run unit.toml checkpoint.interval_steps=2": ("printed", ("tests/e2e/test_triage.py", "first non-finite output")),
-    "triage: step 5: loss is nan": ("printed", ("tests/e2e/test_triage.py", "rolled back to checkpoint")),
-    "triage: step 18: loss": ("printed", ("tests/e2e/test_triage.py", "robust sigmas above its trend")),
-    "$ trainbook run unit.toml train.eval_every=0 --run-dir runs/unit/oom-demo": ("printed", ("tests/e2e/test_oom.py", "no layout makes it fit")),
-    '"measured": {"parameters"': ("printed", ("tests/e2e/test_oom.py", "alternatives")),
-    "peak memory grew": ("printed", ("tests/e2e/test_oom.py", "grows in phase")),
+    "restart 1: rank 1 (SIGKILL)": ("compared", "tests/e2e/test_tutorial.py", "Provoked by the tutorial's last command"),
+    "trainbook: error: step 5 failed 3 times": ("compared", "tests/dist/test_elastic.py", "every attempt, `--max-restarts 2`):"),
+    '{"kind": "restart", "step": 4': ("compared", "tests/dist/test_elastic.py", "with its worker after step 5:"),
+    "$ trainbook run unit.toml --nproc 2 parallel.hang_timeout_s=4": ("compared", "tests/e2e/test_hang.py", "A rank stuck in data loading"),
+    "trainbook: error: rank 0 waits in all_gather": ("compared", "tests/e2e/test_hang.py", "The same rank stopped whole"),
+    "$ trainbook run unit.toml checkpoint.interval_steps=2": ("compared", "tests/e2e/test_triage.py", "A NaN put into block 1's output in step 4"),
+    "triage: step 5: loss is nan": ("compared", "tests/e2e/test_triage.py", "whenever it is trained on (`TRAINBOOK_FAULT=data.nan_batch@5`"),
+    "triage: step 18: loss": ("compared", "tests/e2e/test_triage.py", "(`TRAINBOOK_FAULT=data.random_batch@18`"),
+    "$ trainbook run unit.toml train.eval_every=0 --run-dir runs/unit/oom-demo": ("compared", "tests/e2e/test_oom.py", "Provoked here by a block asking the allocator for a PiB"),
+    '"measured": {"parameters"': ("compared", "tests/e2e/test_oom.py", "The breakdown, measured against plan"),
+    "peak memory grew": ("compared", "tests/e2e/test_oom.py", "16 MiB kept per step by a block's forward"),
+    "trainbook run ──► commands/resolve.py": ("input", "the architecture's picture"),
     "make test ": ("input", "development commands"),
 }
 
@@ -210,7 +213,11 @@ def test_every_block_of_the_readme_is_input_or_output_that_a_test_names():
     assert set(found) == set(BLOCKS), sorted(set(BLOCKS) - set(found))
     for key, (kind, *detail) in BLOCKS.items():
         if kind == "compared":
-            assert "from tests import readme" in (REPO / detail[0]).read_text(), (key, detail)
-        elif kind == "printed" and detail[0] is not None:
-            path, fragment = detail[0]
-            assert fragment in found[key].text and fragment in (REPO / path).read_text(), (key, path, fragment)
+            source = (REPO / detail[0]).read_text()
+            assert "from tests import readme" in source, (key, detail)
+            if len(detail) > 1:  # the marker the test passes names this very block
+                marker = detail[1]
+                assert repr(marker)[1:-1] in source or marker in source, (key, detail)
+                assert readme.block_after(marker).line == found[key].line, (key, marker)
+        elif kind == "printed":
+            assert detail[0] is None and detail[1], (key, detail)

@@ -188,5 +188,6 @@ def restart_line(event: dict) -> str:
     size = (f" on {world} ranks (was {event['previous_world_size']})" if event["previous_world_size"] not in (None, world)
             else f" on {world} ranks")
     failed = f"{who} failed in step {event['failed_step']}; " if event["failed"] else ""
+    lost = event["steps_lost"]
     return (f"restart {event['attempt']}: {failed}resumed from step {event['resumed_step']} "
-            f"({event['steps_lost']} steps lost){size}")
+            f"({lost} step{'' if lost == 1 else 's'} lost){size}")

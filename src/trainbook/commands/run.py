@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import signal
+import tomllib
 from pathlib import Path
 
 import torch
@@ -142,8 +143,12 @@ def _open_run_dir(res: Resolved, run_dir: Path | None, start: ResumePoint | None
             atomic_write_text(paths.config, dump_toml(cfg))
         return start.run_dir, dropped, changed
     paths = RunPaths.of(create_run_dir(cfg.run.runs_root, cfg.run.name, run_dir if start is None else start.run_dir))
-    secrets = secret_values(cfg.model_dump(mode="json"))  # written as fingerprints, never as they are
-    atomic_write_text(paths.recipe, scrub(res.recipe.read_text(encoding="utf-8"), secrets))
+    # Written as fingerprints, never as they are: the config's secrets, and the recipe's own where
+    # the command line replaced them (the archived recipe is the file as given).
+    recipe = res.recipe.read_text(encoding="utf-8")
+    secrets = sorted({*secret_values(cfg.model_dump(mode="json")), *secret_values(tomllib.loads(recipe))},
+                     key=len, reverse=True)
+    atomic_write_text(paths.recipe, scrub(recipe, secrets))
     atomic_write_text(paths.config, dump_toml(cfg))
     env = capture_env(world_size=rt.world_size, device=rt.device, secrets=secrets)
     env["parallel"] = rt.dims.sizes()

@@ -40,7 +40,7 @@ def test_a_restart_event_reads_the_previous_attempts_failures(monkeypatch):
     assert event["attempt"] == 2 and event["failed_step"] == 8 and event["steps_lost"] == 1
     assert event["previous_world_size"] == 2 and event["world_size"] == 1
     assert restart_line(event) == ("restart 2: rank 1 (SIGKILL) failed in step 8; resumed from step 6 "
-                                   "(1 steps lost) on 1 ranks (was 2)")
+                                   "(1 step lost) on 1 ranks (was 2)")
     monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "0")
     assert restart_event(events[:2], resumed_step=4, world_size=2) is None  # a plain resume
 
