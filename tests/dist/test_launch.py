@@ -94,10 +94,7 @@ def test_two_torchrun_agents_as_two_nodes_train_together(recipe, tmp_path):
 
 def test_a_stuck_rank_times_out_with_the_collective_named(recipe, tmp_path):
     # The hang watchdog off: what the collective timeout alone tells (tests/e2e/test_hang.py has the watchdog's).
-    # The stuck rank never answers the agent's SIGTERM: the agent's grace before its SIGKILL
-    # (torchrun's 30 s by default) is shortened, it is not what this test is about.
-    env = {"TRAINBOOK_FAULT": "train.after_step@2", "TRAINBOOK_FAULT_RANK": "1", "TRAINBOOK_FAULT_ACTION": "hang",
-           "TORCH_ELASTIC_SHUTDOWN_TIMEOUT": "2"}
+    env = {"TRAINBOOK_FAULT": "train.after_step@2", "TRAINBOOK_FAULT_RANK": "1", "TRAINBOOK_FAULT_ACTION": "hang"}
     done = run_cli("run", str(recipe), "train.max_steps=6", "parallel.timeout_s=5", "parallel.hang_timeout_s=0",
                    "parallel.data_parallel=ddp",
                    "parallel.dp_replicate=2", "parallel.dp_shard=1", "--nproc", "2", "--run-dir",
