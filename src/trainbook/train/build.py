@@ -87,18 +87,12 @@ def build_trainer(settled: Settled, paths: RunPaths, data: Prepared, rt: Runtime
     loader = build_train_loader(cfg, data, rt, on_reepoch)
     batches, delivered = step_batches(loader, tracker, cfg, rt.device)
     samples_per_step = settled.tokens_per_step // cfg.train.seq_len
-    attach_block_nan(model, tracker, lambda: data_step(batches, samples_per_step))  # when TRAINBOOK_FAULT arms it
-    attach_memory_faults(model, tracker)  # likewise
-    attach_slow_sync(engine, tracker)  # likewise
+    attach_faults(engine, tracker, lambda: data_step(batches, samples_per_step))
     phase_memory = PhaseMemory(tracker, rt.device)  # where memory grows (leaks)
     optimizer = build_optimizer(model, cfg.optim, embeddings=engine.embeddings)
     scaler = precision.loss_scaler()
     state = TrainState(model, optimizer, engine.optim_aliases, loader, scaler, rt, paths.events, logger)
-    checkpointer = Checkpointer(
-        paths.checkpoints, cfg.checkpoint, rank=rt.rank, world_size=rt.world_size,
-        describe=checkpoint_description(settled.resolved, rt.dims),
-        on_commit=lambda step, path, seconds: committed(events, monitors, paths, step, path, seconds),
-    )
+    checkpointer = build_checkpointer(settled, paths, rt, events, monitors)
 
     is_logged = logged(cfg.log, cfg.train.last_step)
     stragglers = build_stragglers(cfg, rt, tracker, is_logged)
@@ -133,6 +127,23 @@ def model_and_engine(cfg: Config, rt: Runtime, precision: Precision,
     seed_everything(cfg.run.seed)
     model, notes = surgery(full_model(cfg, rt.device), cfg)
     return build_engine(model, cfg, rt, precision, tracker), notes, trainable_summary(model)
+
+
+def attach_faults(engine: LocalEngine | PipelineEngine, tracker: PhaseTracker, data_step) -> None:
+    """The fault points inside the model and its collectives (train/fault_hooks.py), each only
+    when TRAINBOOK_FAULT arms it; `data_step()` says which batch of the data order is training."""
+    attach_block_nan(engine.model, tracker, data_step)
+    attach_memory_faults(engine.model, tracker)
+    attach_slow_sync(engine, tracker)
+
+
+def build_checkpointer(settled: Settled, paths: RunPaths, rt: Runtime, events, monitors: Monitors) -> Checkpointer:
+    """Saves into `checkpoints/`, every manifest describing the run as resolved."""
+    return Checkpointer(
+        paths.checkpoints, settled.cfg.checkpoint, rank=rt.rank, world_size=rt.world_size,
+        describe=checkpoint_description(settled.resolved, rt.dims),
+        on_commit=lambda step, path, seconds: committed(events, monitors, paths, step, path, seconds),
+    )
 
 
 def full_model(cfg: Config, device: torch.device) -> nn.Module:
