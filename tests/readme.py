@@ -22,6 +22,7 @@ _FENCE = re.compile(r"^(?P<indent> *)```(?P<lang>\w*)\n(?P<body>.*?)^(?P=indent)
 _HEADING = re.compile(r"^(#{1,6}) (.+)$", flags=re.M)
 _NUMBER = re.compile(r"\d+(?:[.,]\d+)*")
 _RUN_ID = re.compile(r"\b\d{8}-\d{6}-[0-9a-f]{6}\b")
+_RULE = re.compile(r"-{3,}")
 _CUT = re.compile(r"(, )?\.\.\.[}\]]?$")  # what ends a README line that shows the start of a printed one
 
 README_HOST = "vm"
@@ -124,9 +125,10 @@ def transcript(block: Block) -> list[tuple[str, list[str]]]:
 
 def masked(text: str) -> str:
     """`text` with every run directory's time and id (`20261202-021153-85b56e`) replaced by
-    `<run>` and every other number (digits with any `.` or `,` inside) by `#`: the normalisation
-    for output whose figures vary from run to run and machine to machine."""
-    return _NUMBER.sub("#", _RUN_ID.sub("<run>", text))
+    `<run>`, every other number (digits with any `.` or `,` inside) by `#`, and every run of
+    three or more dashes (a table's rule, as wide as the figures of its column) by `---`: the
+    normalisation for output whose figures vary from run to run and machine to machine."""
+    return _RULE.sub("---", _NUMBER.sub("#", _RUN_ID.sub("<run>", text)))
 
 
 def missing_lines(expected: list[str], output: str, *, mask: bool = False) -> list[str]:

@@ -152,6 +152,7 @@ def test_the_block_machinery_reads_transcripts_and_compares_in_order():
     assert readme.missing_lines(['{"a": 1, ...}', '"l": [1, ...]'], '{"a": 1, "b": 2}\n"l": [1, 2]') == []
     assert readme.missing_lines(['{"a": 1, ...}'], '{"b": 2, "a": 1}') == ['{"a": 1, ...}']
     assert readme.masked("run: runs/x/20261202-021153-85b56e (20 of 900)") == "run: runs/x/<run> (# of #)"
+    assert readme.masked("----  -------") == readme.masked("----  ----------") == "---  ---"  # a table's rule
 
 
 # Every fenced block of the README, by the start of its first line, and what it is:

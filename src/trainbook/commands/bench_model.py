@@ -12,7 +12,6 @@ synchronised at each boundary, so they are the device's time, not the host's.
 
 from __future__ import annotations
 
-import statistics
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -127,9 +126,7 @@ def bench_model(cfg: Config, device: torch.device, steps: int = 5) -> ModelBench
     first, _ = step()
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
-    timed = [step() for _ in range(steps)]
-    step_s = statistics.median(s for s, _ in timed)
-    phases = _split(timed)
+    step_s, phases = _median_step([step() for _ in range(steps)])
     plan = memory_estimates([(PlanInputs(cfg.model, t, cfg.parallel, cfg.precision.dtype), ONE)], None)[0]
     return ModelBench(
         model=cfg.model.name or "model", params=num_params(model), device=str(device), dtype=cfg.precision.dtype,
@@ -141,12 +138,14 @@ def bench_model(cfg: Config, device: torch.device, steps: int = 5) -> ModelBench
     )
 
 
-def _split(timed: list[tuple[float, dict[str, float]]]) -> dict[str, float]:
-    """Median seconds of forward, backward, optimizer, and everything else of the step."""
-    keys = ("forward", "backward", "optimizer")
-    split = {k: statistics.median(p.get(k, 0.0) for _, p in timed) for k in keys}
-    split["other"] = statistics.median(s - sum(p.get(k, 0.0) for k in keys) for s, p in timed)
-    return split
+def _median_step(timed: list[tuple[float, dict[str, float]]]) -> tuple[float, dict[str, float]]:
+    """The median step (the lower of the middle two for an even count): its seconds, and its
+    forward, backward, optimizer and everything else, which add up to them (medians taken per
+    phase would not, on a busy machine)."""
+    step_s, phases = sorted(timed, key=lambda t: t[0])[(len(timed) - 1) // 2]
+    split = {k: phases.get(k, 0.0) for k in ("forward", "backward", "optimizer")}
+    split["other"] = step_s - sum(split.values())
+    return step_s, split
 
 
 def render(b: ModelBench) -> str:
