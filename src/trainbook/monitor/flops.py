@@ -96,18 +96,26 @@ def published_peak(device_name: str, dtype: str) -> Peak | None:
 
 
 def matmul_flops(device: torch.device, dtype: str = "fp32", n: int = 1024, inner: int = 8, reps: int = 5,
-                 repeat: int = 1) -> float:
+                 repeat: int = 1, budget_s: float = 2.0) -> float:
     """FLOP/s of `inner` chained (n x n) @ (n x n) matmuls in `dtype`, the best of `reps` timings
     (the best is what the hardware can do; a busy neighbour only ever makes one slower). The one
     matmul probe: the CPU peak MFU is measured against, and `trainbook check`'s per-rank probe.
-    `repeat` > 1 does every matmul that many times but counts it once (`check.slow_matmul`)."""
+    `repeat` > 1 does every matmul that many times but counts it once (`check.slow_matmul`).
+    A dtype the hardware has no fast path for (fp16 on many CPUs: about 1 GFLOP/s, two seconds a
+    1024 x 1024 product) gets fewer timings and shorter chains, about `budget_s` in all, not the
+    minutes the full probe would take."""
     torch_dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[dtype]
     gen = torch.Generator(device="cpu").manual_seed(0)
     # Scaled by 1/sqrt(n) so that chained products stay O(1), never overflowing fp16.
     a = (torch.randn(n, n, generator=gen) / n**0.5).to(device, torch_dtype)
     b = (torch.randn(n, n, generator=gen) / n**0.5).to(device, torch_dtype)
+    start = time.perf_counter()
     torch.mm(a, b)  # warm-up: kernels chosen, pages touched
     _sync(device)
+    one = (time.perf_counter() - start) * repeat  # a chain link's seconds, at most (the warm-up is the slowest)
+    if one * inner * reps > budget_s:
+        inner = max(1, min(inner, int(budget_s / (one * reps))))
+        reps = max(1, min(reps, int(budget_s / (one * inner))))
     best = float("inf")
     for _ in range(reps):
         start = time.perf_counter()
@@ -130,7 +138,7 @@ def measure_matmul_peak(device: torch.device, dtype: str, n: int = 1024) -> Peak
     """The best square-matmul throughput of this process on `device` (`matmul_flops`): the
     CPU's practical peak with the threads this run uses."""
     return Peak(matmul_flops(device, dtype, n), f"cpu ({torch.get_num_threads()} threads)", dtype,
-                f"measured: best of 5 x 8 chained {n}x{n} matmuls in {dtype}")
+                f"measured: best of up to 5 x 8 chained {n}x{n} matmuls in {dtype}")
 
 
 def _cached_peak(cache: Path, dtype: str) -> Peak | None:

@@ -53,3 +53,26 @@ def test_cpu_probe_measures_a_peak_that_bounds_mfu():
     assert peak.flops > 0 and "measured" in peak.source
     # A step that ran exactly at the probe's rate on every device is MFU 1.
     assert mfu(peak.flops * 4 / 1e6, 1e6, peak, 4) == pytest.approx(1.0)
+
+
+def test_a_slow_dtype_gets_a_probe_within_its_budget():
+    """The probe's matmuls, counted: the full 5 x 8 chain (and the warm-up) when the budget allows
+    it, a single timing of a single matmul when one already takes longer than the budget (as an
+    fp16 product does on a CPU with no fp16 path: ~2 s each, 90 s for the full probe)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from trainbook.monitor.flops import matmul_flops
+
+    class CountMatmuls(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.count = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.count += func is torch.ops.aten.mm.default
+            return func(*args, **(kwargs or {}))
+
+    for budget, expected in ((float("inf"), 1 + 5 * 8), (0.0, 1 + 1)):
+        with CountMatmuls() as counter:
+            assert matmul_flops(torch.device("cpu"), "fp32", n=64, budget_s=budget) > 0
+        assert counter.count == expected, (budget, counter.count)
