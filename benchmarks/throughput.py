@@ -32,7 +32,8 @@ import torch  # noqa: E402
 
 from trainbook.config.model import ModelConfig  # noqa: E402
 from trainbook.model.registry import resolve  # noqa: E402
-from trainbook.monitor.flops import matmul_flops, model_flops_per_token  # noqa: E402
+from trainbook.model import flops_per_token  # noqa: E402
+from trainbook.monitor.flops import matmul_flops  # noqa: E402
 
 HARNESS = REPO.parent / "shared" / "peers" / "torchtitan-cpu"
 SHAPE = ["model.dim=256", "model.n_layers=6", "model.n_heads=16", "model.n_kv_heads=16", "model.ffn_dim=768",
@@ -49,7 +50,7 @@ def torchtitan(harness: Path, peer: Path, steps: int) -> float:
     return statistics.median(v for k, v in rates.items() if k >= 3)
 
 
-FLOPS_PER_TOKEN = model_flops_per_token(resolve(ModelConfig(
+FLOPS_PER_TOKEN = flops_per_token(resolve(ModelConfig(
     name="tiny", dim=256, n_layers=6, n_heads=16, n_kv_heads=16, ffn_dim=768, vocab_size=2048,
     tie_embeddings=False, max_seq_len=2048)), 2048)
 

@@ -7,9 +7,8 @@ import json
 import pytest
 
 from tests.conftest import run_cli, run_cli_error, write_recipe
-from trainbook.model import build_model, num_params, resolve
 from trainbook.config import ModelConfig
-from trainbook.monitor.flops import model_flops_per_token
+from trainbook.model import build_model, flops_per_token, num_params, resolve
 
 
 def test_bench_model_reports_rate_mfu_split_and_memory_without_data(tmp_path):
@@ -27,7 +26,7 @@ def test_bench_model_reports_rate_mfu_split_and_memory_without_data(tmp_path):
     assert b["params"] == num_params(build_model(model, "meta", 0))
     assert b["tokens_per_step"] == 256  # global_batch_tokens: 4 micro-batches of 2 x 32
     assert b["tokens_per_s"] == pytest.approx(b["tokens_per_step"] / b["step_s"])
-    flops = model_flops_per_token(model, 32)
+    flops = flops_per_token(model, 32)
     assert b["mfu"] == pytest.approx(b["tokens_per_s"] * flops / b["peak_flops"])
     assert 0 < b["mfu"] < 1
     assert set(b["phases"]) == {"forward", "backward", "optimizer", "other"}

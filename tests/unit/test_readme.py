@@ -14,7 +14,7 @@ from tests.conftest import RECIPES
 from trainbook import errors
 from trainbook.config import load_config
 from trainbook.model import registry
-from trainbook.model.llama import build_model, num_params
+from trainbook.model import build_model, num_params
 
 BASELINE = json.loads((RECIPES / "baselines" / "tiny-shakespeare.json").read_text())
 

@@ -25,8 +25,8 @@ from trainbook.config import Config
 from trainbook.data.loader import Batch
 from trainbook.diagnose.profile import device_sync, phase_boundary
 from trainbook.errors import TrainbookError
-from trainbook.model import build_model, num_params
-from trainbook.monitor.flops import TFLOPS, device_peak, mfu, model_flops_per_token
+from trainbook.model import build_model, flops_per_token, num_params
+from trainbook.monitor.flops import TFLOPS, device_peak, mfu
 from trainbook.parallel import pick_device
 from trainbook.parallel.apply import ApplyOptions, parallelize
 from trainbook.parallel.compile import decide
@@ -95,9 +95,9 @@ def bench_model(cfg: Config, device: torch.device, steps: int = 5) -> ModelBench
     t = cfg.train
     accum = t.grad_accum_steps(1)
     tokens_per_step = accum * t.micro_batch_size * t.seq_len
-    flops_per_token = model_flops_per_token(cfg.model, t.seq_len)
+    token_flops = flops_per_token(cfg.model, t.seq_len)
     peak, peak_note = device_peak(device, cfg.precision.dtype)
-    choice = decide(t.compile, t.loss, device, ONE, step_flops=flops_per_token * tokens_per_step,
+    choice = decide(t.compile, t.loss, device, ONE, step_flops=token_flops * tokens_per_step,
                     steps=t.max_steps, peak_flops=peak.flops if peak else None,
                     micro_tokens=t.micro_batch_size * t.seq_len)
     torch.manual_seed(cfg.run.seed)
@@ -132,7 +132,7 @@ def bench_model(cfg: Config, device: torch.device, steps: int = 5) -> ModelBench
         model=cfg.model.name or "model", params=num_params(model), device=str(device), dtype=cfg.precision.dtype,
         tokens_per_step=tokens_per_step, compile=choice.compile, loss=choice.loss, choice=choice.reason,
         first_step_s=first, step_s=step_s, tokens_per_s=tokens_per_step / step_s,
-        mfu=mfu(tokens_per_step / step_s, flops_per_token, peak, 1),
+        mfu=mfu(tokens_per_step / step_s, token_flops, peak, 1),
         peak_flops=peak.flops if peak else None, peak_source=peak_note, phases=phases,
         mem_peak_bytes=peak_memory_bytes(device), plan_bytes=plan["largest"]["total"], steps=steps,
     )

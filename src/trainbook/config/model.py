@@ -19,6 +19,9 @@ class ModelConfig(Section):
     resize_init: Literal["mean", "normal"] = "mean"
     """Rows added when `vocab_size` exceeds the imported vocabulary: the mean of the existing
     embeddings, or normal(0, init_std)."""
+    family: Literal["llama", "qwen2", "qwen3"] | None = None
+    """The decoder's family (`trainbook.model.families`): the Hugging Face architecture its
+    config.json and weights are read and written as, and the defaults of the options below."""
     dim: int | None = Field(default=None, ge=1)
     """Hidden size."""
     n_layers: int | None = Field(default=None, ge=1)
@@ -29,6 +32,12 @@ class ModelConfig(Section):
     """Key/value heads (grouped-query attention); must divide `n_heads`."""
     vocab_size: int | None = Field(default=None, ge=1)
     """Embedding rows; must be at least the tokenizer's vocabulary."""
+    head_dim: int | None = Field(default=None, ge=2)
+    """Channels per attention head; unset: dim / n_heads (Qwen3 sets it: 128 at every size)."""
+    qkv_bias: bool | None = None
+    """Biases on the query, key and value projections, none on the output one (Qwen2)."""
+    qk_norm: bool | None = None
+    """RMSNorm over each query and key head, after the head split and before RoPE (Qwen3)."""
     ffn_dim: int | None = Field(default=None, ge=1)
     """SwiGLU hidden size."""
     norm_eps: float | None = Field(default=None, gt=0)

@@ -1,6 +1,9 @@
-"""Trainbook's Llama <-> Hugging Face `LlamaForCausalLM`: names, `config.json`, weights, tokenizer.
+"""Trainbook's decoder <-> Hugging Face `LlamaForCausalLM`, `Qwen2ForCausalLM`, `Qwen3ForCausalLM`:
+names, `config.json`, weights.
 
-One table maps every parameter name; `to_hf_name` and `from_hf_name` read it in either direction.
+One table maps every parameter name, the same in every family (Qwen2's q/k/v biases and Qwen3's
+q/k norms sit where Llama's projections do); `to_hf_name` and `from_hf_name` read it in either
+direction. The family (`model/families.py`) decides the rest of config.json.
 No tensor needs changing on the way: trainbook's RoPE already uses HF's half-split ("rotate_half")
 channel layout, so wq/wk are not permuted, and both store `nn.Linear` weights as (out, in).
 
@@ -18,6 +21,7 @@ import re
 import torch
 
 from trainbook.config.model import ModelConfig
+from trainbook.model import families
 from trainbook.model.registry import is_resolved, resolve
 
 # trainbook name -> HF name, for the parameters outside the blocks.
@@ -32,6 +36,11 @@ _BLOCK = {
     "attention.wq.weight": "self_attn.q_proj.weight",
     "attention.wk.weight": "self_attn.k_proj.weight",
     "attention.wv.weight": "self_attn.v_proj.weight",
+    "attention.wq.bias": "self_attn.q_proj.bias",  # qkv_bias (Qwen2)
+    "attention.wk.bias": "self_attn.k_proj.bias",
+    "attention.wv.bias": "self_attn.v_proj.bias",
+    "attention.q_norm.weight": "self_attn.q_norm.weight",  # qk_norm (Qwen3)
+    "attention.k_norm.weight": "self_attn.k_norm.weight",
     "attention.wo.weight": "self_attn.o_proj.weight",
     "ffn_norm.weight": "post_attention_layernorm.weight",
     "feed_forward.w1.weight": "mlp.gate_proj.weight",
@@ -49,12 +58,12 @@ _HF_DTYPE = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16
 
 
 def to_hf_name(name: str) -> str:
-    """The HF `LlamaForCausalLM` name of trainbook parameter `name`; KeyError if it has none."""
+    """The Hugging Face name of trainbook parameter `name`; KeyError if it has none."""
     return _rename(name, _TOP, _BLOCK, _OURS_BLOCK, "model.layers.")
 
 
 def from_hf_name(name: str) -> str:
-    """The trainbook name of HF `LlamaForCausalLM` parameter `name`; KeyError if it has none
+    """The trainbook name of Hugging Face parameter `name`; KeyError if it has none
     (e.g. `rotary_emb.inv_freq`, which old HF checkpoints saved and trainbook derives)."""
     return _rename(name, _TOP_BACK, _BLOCK_BACK, _HF_BLOCK, "layers.")
 
@@ -64,7 +73,7 @@ def _rename(name: str, top: dict, block: dict, block_re: re.Pattern, block_prefi
         return top[name]
     m = block_re.fullmatch(name)
     if m is None or m.group(2) not in block:
-        raise KeyError(f"no Llama parameter maps to {name!r}")
+        raise KeyError(f"no parameter maps to {name!r}")
     return f"{block_prefix}{m.group(1)}.{block[m.group(2)]}"
 
 
@@ -82,7 +91,8 @@ def hf_config(
     eos_id: int | None = None,
     pad_id: int | None = None,
 ) -> dict:
-    """The `config.json` of a `LlamaForCausalLM` equal to trainbook model `cfg`, weights in `dtype`.
+    """The `config.json` of the Hugging Face model of `cfg`'s family equal to trainbook model `cfg`,
+    weights in `dtype`; a one-line error when that class cannot express one of cfg's options.
 
     Written in the long-standing flat form (top-level `rope_theta`, `torch_dtype`) that
     transformers 4.x and 5.x, vLLM and llama.cpp's converter all read. Special token ids are
@@ -90,14 +100,12 @@ def hf_config(
     """
     cfg = cfg if is_resolved(cfg) else resolve(cfg)
     return {
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
+        **families.hf_fields(families.family(cfg.family), cfg),
         "hidden_size": cfg.dim,
         "intermediate_size": cfg.ffn_dim,
         "num_hidden_layers": cfg.n_layers,
         "num_attention_heads": cfg.n_heads,
         "num_key_value_heads": cfg.n_kv_heads,
-        "head_dim": cfg.dim // cfg.n_heads,
         "vocab_size": cfg.vocab_size,
         "hidden_act": "silu",
         "rms_norm_eps": cfg.norm_eps,
@@ -105,9 +113,7 @@ def hf_config(
         "rope_scaling": None,  # trainbook's RoPE is unscaled (see model.registry)
         "max_position_embeddings": cfg.max_seq_len,
         "tie_word_embeddings": cfg.tie_embeddings,
-        "attention_bias": False,
         "attention_dropout": 0.0,
-        "mlp_bias": False,
         "initializer_range": cfg.init_std,
         "torch_dtype": _HF_DTYPE[dtype],
         "use_cache": True,

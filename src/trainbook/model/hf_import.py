@@ -1,7 +1,8 @@
-"""Import a Hugging Face Llama directory (`model.init_from = "hf:PATH"`), as `save_pretrained` writes it.
+"""Import a Hugging Face model directory (`model.init_from = "hf:PATH"`), as `save_pretrained` writes
+it: a Llama, Qwen2/Qwen2.5 or Qwen3 (`model/families.py` says which by config.json's architecture).
 
 - `model_config_from_hf`: `config.json` -> a complete ModelConfig named "from_hf", or a one-line
-  error naming what trainbook cannot run (another architecture, scaled RoPE, biases, ...);
+  error naming what trainbook cannot run (another architecture, scaled RoPE, an o_proj bias, ...);
 - `check_against_recipe`: that config against a recipe's named model, field by field;
 - `load_hf_weights`: `model.safetensors` or an index and its shards -> a built model's parameters,
   one tensor at a time (see there for the memory this costs); never unpickles anything;
@@ -23,6 +24,7 @@ from safetensors import safe_open
 
 from trainbook.config.model import ModelConfig
 from trainbook.errors import TrainbookError, one_line
+from trainbook.model import families
 from trainbook.model.hf import to_hf_name
 from trainbook.model.registry import FROM_HF, is_resolved, resolve
 
@@ -31,11 +33,10 @@ if TYPE_CHECKING:
 
 # ---- config.json -> ModelConfig ---------------------------------------------------------
 
-ARCHITECTURE = "LlamaForCausalLM"
 CONFIG_FILE = "config.json"
 
-# ModelConfig field -> (config.json key, the default transformers' LlamaConfig gives a key left
-# out, or None where trainbook requires the key). n_kv_heads and rope_theta are read apart.
+# ModelConfig field -> (config.json key, the default transformers gives a key left out, or None
+# where trainbook requires the key). n_kv_heads, head_dim and rope_theta are read apart.
 _FROM_CONFIG = {
     "dim": ("hidden_size", None),
     "n_layers": ("num_hidden_layers", None),
@@ -43,12 +44,13 @@ _FROM_CONFIG = {
     "vocab_size": ("vocab_size", None),
     "ffn_dim": ("intermediate_size", None),
     "norm_eps": ("rms_norm_eps", 1e-6),
-    "max_seq_len": ("max_position_embeddings", 2048),
     "tie_embeddings": ("tie_word_embeddings", False),
     "init_std": ("initializer_range", 0.02),
 }
 _HF_KEY = {f: key for f, (key, _) in _FROM_CONFIG.items()} | {
-    "n_kv_heads": "num_key_value_heads", "rope_theta": "rope_theta"
+    "n_kv_heads": "num_key_value_heads", "rope_theta": "rope_theta", "head_dim": "head_dim",
+    "max_seq_len": "max_position_embeddings", "family": "architectures", "qkv_bias": "architectures",
+    "qk_norm": "architectures",
 }  # fmt: skip
 
 
@@ -56,7 +58,7 @@ def hf_path(init_from: str) -> Path:
     """The directory of `model.init_from = "hf:PATH"`."""
     kind, _, path = init_from.partition(":")
     if kind != "hf" or not path:
-        raise TrainbookError(f"{init_from!r} is not hf:PATH (a Hugging Face Llama directory)", where="model.init_from")
+        raise TrainbookError(f"{init_from!r} is not hf:PATH (a Hugging Face model directory)", where="model.init_from")
     if not Path(path).is_dir():
         raise TrainbookError(f"{path} is not a directory", where="model.init_from")
     return Path(path)
@@ -81,24 +83,28 @@ def read_hf_config(path: Path) -> dict:
 
 
 def model_config_from_hf(path: Path) -> ModelConfig:
-    """The trainbook model equal to the `LlamaForCausalLM` in directory `path`: every field set
+    """The trainbook model equal to the Hugging Face model in directory `path`: every field set
     (a resolved config, so `build_model` takes it as is), named "from_hf".
 
     Anything trainbook would compute differently from transformers is a TrainbookError naming
-    it, where= the config.json: another architecture, scaled RoPE, biases, another activation, a
-    head_dim other than hidden_size / num_attention_heads.
+    it, where= the config.json: another architecture, scaled RoPE, a bias trainbook has no place
+    for, another activation, sliding-window attention.
     """
     config = read_hf_config(path)
     where = str(Path(path) / CONFIG_FILE)
-    _check_architecture(config, where)
-    _check_features(config, where)
+    fam = families.of_hf_config(config, where)
+    problems = families.unsupported(fam, config)
+    if problems:
+        raise TrainbookError("unsupported: " + "; ".join(problems), where=where)
     values = {}
     for field, (key, default) in _FROM_CONFIG.items():
         if config.get(key) is None and default is None:
             raise TrainbookError(f"'{key}' is missing", where=where)
         values[field] = default if config.get(key) is None else config[key]
     values["n_kv_heads"] = config.get("num_key_value_heads") or values["n_heads"]
-    values["rope_theta"] = _rope_theta(config)
+    values["rope_theta"] = families.rope_theta(config)
+    values["max_seq_len"] = config.get("max_position_embeddings") or fam.max_position_embeddings
+    values |= {"family": fam.name, **_options(fam, config, values)}
     try:
         cfg = ModelConfig(name=FROM_HF, **values)
     except ValidationError as e:
@@ -109,80 +115,32 @@ def model_config_from_hf(path: Path) -> ModelConfig:
     return cfg
 
 
-def _check_architecture(config: dict, where: str) -> None:
-    archs = config.get("architectures") or []
-    archs = archs if isinstance(archs, list) else [archs]
-    model_type = config.get("model_type")
-    if not archs and model_type is None:
-        why = f"names no architecture ('architectures', 'model_type'); trainbook imports {ARCHITECTURE}"
-        raise TrainbookError(why, where=where)
-    other = [a for a in archs if a != ARCHITECTURE]
-    if not other and model_type not in (None, "llama"):
-        other = [model_type]
-    if other:
-        raise TrainbookError(
-            f"unsupported architecture '{other[0]}' (trainbook imports {ARCHITECTURE})", where=where
-        )
-
-
-def _check_features(config: dict, where: str) -> None:
-    """Llama variants that load into the same shapes but compute something else: all named."""
-    problems = []
-    scaling = _rope_scaling(config)
-    if scaling is not None:
-        problems.append(f"RoPE scaling '{scaling}' (trainbook's RoPE is unscaled)")
-    for key in ("attention_bias", "mlp_bias"):
-        if config.get(key):
-            problems.append(f"{key}=true (trainbook's Llama has no biases)")
-    act = config.get("hidden_act", "silu")
-    if act != "silu":
-        problems.append(f"hidden_act='{act}' (trainbook's SwiGLU uses silu)")
-    if problems:
-        raise TrainbookError("unsupported: " + "; ".join(problems), where=where)
+def _options(fam: families.Family, config: dict, values: dict) -> dict:
+    dim, heads = values["dim"], values["n_heads"]
+    if not isinstance(dim, int) or not isinstance(heads, int) or heads < 1:
+        return {}  # ModelConfig names the bad key
+    options = fam.defaults(dim, heads)
+    if config.get("head_dim") is not None:
+        options["head_dim"] = config["head_dim"]
+    return options
 
 
 def _check_heads(cfg: ModelConfig, config: dict, where: str) -> None:
     # The registry's shape checks, in config.json's words.
-    if cfg.dim % cfg.n_heads:
+    if config.get("head_dim") is None and cfg.dim % cfg.n_heads:
         why = f"hidden_size={cfg.dim} is not divisible by num_attention_heads={cfg.n_heads}"
         raise TrainbookError(why, where=where)
     if cfg.n_heads % cfg.n_kv_heads:
         why = f"num_attention_heads={cfg.n_heads} is not a multiple of num_key_value_heads={cfg.n_kv_heads}"
         raise TrainbookError(why, where=where)
-    head_dim = cfg.dim // cfg.n_heads
-    if config.get("head_dim") not in (None, head_dim):
-        why = (f"unsupported: head_dim={config['head_dim']} is not hidden_size / num_attention_heads "
-               f"= {head_dim} (trainbook derives head_dim from them)")  # fmt: skip
-        raise TrainbookError(why, where=where)
-    if head_dim % 2:
-        raise TrainbookError(f"head_dim={head_dim} is odd; RoPE needs an even head_dim", where=where)
-
-
-def _rope_scaling(config: dict) -> str | None:
-    """The RoPE scaling `config` asks for; None for plain RoPE. transformers 5 writes
-    `rope_parameters: {rope_type, rope_theta, ...}`, 4.x wrote `rope_scaling` (null: none)."""
-    scaling = config.get("rope_scaling")
-    if scaling is not None:
-        kind = scaling.get("rope_type", scaling.get("type")) if isinstance(scaling, dict) else None
-        if kind != "default":
-            return str(kind or scaling)
-    params = config.get("rope_parameters")
-    if isinstance(params, dict) and params.get("rope_type", "default") != "default":
-        return str(params["rope_type"])
-    return None
-
-
-def _rope_theta(config: dict) -> float:
-    params = config.get("rope_parameters")
-    if isinstance(params, dict) and params.get("rope_theta") is not None:
-        return params["rope_theta"]
-    return config["rope_theta"] if config.get("rope_theta") is not None else 10000.0
+    if cfg.head_dim % 2:
+        raise TrainbookError(f"head_dim={cfg.head_dim} is odd; RoPE needs an even head_dim", where=where)
 
 
 # Fields whose difference changes what the imported weights compute (shapes, RoPE base, norm
 # epsilon, tying). max_seq_len and init_std are the recipe's to choose.
-_SAME_AS_IMPORTED = ("dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim", "norm_eps", "rope_theta",
-                     "tie_embeddings")  # fmt: skip
+_SAME_AS_IMPORTED = ("family", "dim", "n_layers", "n_heads", "n_kv_heads", "head_dim", "qkv_bias", "qk_norm",
+                     "ffn_dim", "norm_eps", "rope_theta", "tie_embeddings")  # fmt: skip
 
 
 def check_against_recipe(hf_cfg: ModelConfig, recipe_cfg: ModelConfig) -> None:

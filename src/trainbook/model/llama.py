@@ -1,8 +1,14 @@
-"""A Llama-3-style decoder: RMSNorm, RoPE, grouped-query attention, SwiGLU, no biases.
+"""The decoder of every family trainbook trains: RMSNorm, RoPE, grouped-query attention, SwiGLU.
+
+Llama 3 is the plain form (no biases, head_dim = dim / n_heads). The other dense families are
+options of the same class, set by `ModelConfig` (defaults from `model/families.py`): Qwen2.5 adds
+biases to the q/k/v projections (`qkv_bias`), Qwen3 an RMSNorm over each query and key head
+before RoPE (`qk_norm`) and a head_dim of its own (`head_dim`, 128 where dim / n_heads is 64 or 80).
 
 Conventions that `parallel/`, checkpoints and HF import rely on (keep them stable):
-- module paths: `tok_embeddings`, `layers.<i>.attention.{wq,wk,wv,wo}`,
-  `layers.<i>.feed_forward.{w1,w2,w3}`, `layers.<i>.{attention_norm,ffn_norm}`, `norm`, `output`;
+- module paths: `tok_embeddings`, `layers.<i>.attention.{wq,wk,wv,wo}` (and, with the options,
+  `wq/wk/wv.bias`, `layers.<i>.attention.{q_norm,k_norm}`), `layers.<i>.feed_forward.{w1,w2,w3}`,
+  `layers.<i>.{attention_norm,ffn_norm}`, `norm`, `output`;
 - blocks live in an `nn.ModuleDict` keyed "0".."N-1", so a pipeline stage can delete some and
   `forward` runs whichever remain (a stage may also set `tok_embeddings`/`norm`/`output` to None);
 - head counts are never read from the config in `forward` (reshapes use -1), so tensor parallel
@@ -45,7 +51,7 @@ class Llama(nn.Module):
         function applies the head (`loss`)."""
         # (max_seq_len, head_dim / 2) each. Non-persistent: derived from the config, so they stay
         # out of checkpoints; fp32 because bf16 angles lose whole rotations at long positions.
-        half = cfg.dim // cfg.n_heads // 2
+        half = cfg.head_dim // 2
         self.register_buffer("rope_cos", torch.empty(cfg.max_seq_len, half), persistent=False)
         self.register_buffer("rope_sin", torch.empty(cfg.max_seq_len, half), persistent=False)
         if self.rope_cos.device.type != "meta":
@@ -169,16 +175,26 @@ class Attention(nn.Module):
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        self.head_dim = cfg.dim // cfg.n_heads
-        self.wq = nn.Linear(cfg.dim, cfg.n_heads * self.head_dim, bias=False)
-        self.wk = nn.Linear(cfg.dim, cfg.n_kv_heads * self.head_dim, bias=False)
-        self.wv = nn.Linear(cfg.dim, cfg.n_kv_heads * self.head_dim, bias=False)
+        self.head_dim = cfg.head_dim
+        self.wq = nn.Linear(cfg.dim, cfg.n_heads * self.head_dim, bias=cfg.qkv_bias)
+        self.wk = nn.Linear(cfg.dim, cfg.n_kv_heads * self.head_dim, bias=cfg.qkv_bias)
+        self.wv = nn.Linear(cfg.dim, cfg.n_kv_heads * self.head_dim, bias=cfg.qkv_bias)
         self.wo = nn.Linear(cfg.n_heads * self.head_dim, cfg.dim, bias=False)
+        # One gain of head_dim shared by every head (and, under tensor parallel, by every rank).
+        self.q_norm = RMSNorm(self.head_dim, cfg.norm_eps) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, cfg.norm_eps) if cfg.qk_norm else None
 
     def init_weights(self, std: float, out_std: float) -> None:
         for lin in (self.wq, self.wk, self.wv):
             nn.init.normal_(lin.weight, mean=0.0, std=std)
         nn.init.normal_(self.wo.weight, mean=0.0, std=out_std)
+        # After the draws above, so a model without the options draws exactly what it always did.
+        for lin in (self.wq, self.wk, self.wv):
+            if lin.bias is not None:
+                nn.init.zeros_(lin.bias)
+        for norm in (self.q_norm, self.k_norm):
+            if norm is not None:
+                norm.reset_parameters()
 
     def forward(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor | None = None
@@ -190,6 +206,8 @@ class Attention(nn.Module):
         q = self.wq(x).view(bsz, seq_len, -1, self.head_dim)  # (B, T, n_heads, head_dim)
         k = self.wk(x).view(bsz, seq_len, -1, self.head_dim)  # (B, T, n_kv_heads, head_dim)
         v = self.wv(x).view(bsz, seq_len, -1, self.head_dim)  # (B, T, n_kv_heads, head_dim)
+        if self.q_norm is not None:  # per head, over its head_dim channels
+            q, k = self.q_norm(q), self.k_norm(k)
         if cos.dim() == 2:  # one table for every sequence: positions 0..T-1
             cos, sin = cos[:seq_len], sin[:seq_len]  # (T, head_dim / 2)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
@@ -246,7 +264,7 @@ def rope_tables(cfg: ModelConfig, device: torch.device | str | None = None):
     Channel pair i rotates at theta^(-2i / head_dim) radians per position: fast pairs resolve
     nearby tokens, slow ones distant tokens.
     """
-    head_dim = cfg.dim // cfg.n_heads
+    head_dim = cfg.head_dim
     inv_freq = cfg.rope_theta ** -(
         torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim
     )  # (head_dim / 2,)
@@ -306,29 +324,3 @@ def _seeded_rng(device: torch.device, seed: int):
         torch.random.default_generator.manual_seed(seed)
         accel.manual_seed_all(seed)
         yield
-
-
-def num_params(model: nn.Module, exclude_embeddings: bool = False) -> int:
-    """Parameter count, a tied matrix counted once. `exclude_embeddings` drops the token
-    embedding table (a lookup, not a matmul; with tied weights that is the head's matrix too)."""
-    total = sum(p.numel() for p in model.parameters())
-    if exclude_embeddings and getattr(model, "tok_embeddings", None) is not None:
-        total -= model.tok_embeddings.weight.numel()
-    return total
-
-
-def flops_per_token(cfg: ModelConfig, seq_len: int) -> int:
-    """Training FLOPs per token (forward + backward), for MFU: 6 * N + 12 * L * H * Q * T.
-
-    N counts the weights that take part in a matmul: every projection and the output head (even
-    when tied to the embedding), not the embedding lookup or the norm gains. Per token, a matmul
-    weight costs 2 FLOPs forward and 4 backward. The attention term is QK^T and AV, 2 * 2 * T * dim
-    forward per layer (x3 with backward), counted for the full T x T square as in the PaLM paper
-    (appendix B) and torchtitan, though the causal mask skips half of it.
-    """
-    cfg = cfg if is_resolved(cfg) else resolve(cfg)
-    head_dim = cfg.dim // cfg.n_heads
-    attn = cfg.dim * head_dim * (2 * cfg.n_heads + 2 * cfg.n_kv_heads)  # wq, wo; wk, wv
-    ffn = 3 * cfg.dim * cfg.ffn_dim
-    matmul_params = cfg.n_layers * (attn + ffn) + cfg.dim * cfg.vocab_size
-    return 6 * matmul_params + 12 * cfg.n_layers * cfg.n_heads * head_dim * seq_len

@@ -1,7 +1,8 @@
 """Named model sizes, and `resolve`: a registry name plus overrides -> a complete, valid config.
 
-Each entry is a plain table of every architecture field of `ModelConfig`, citing where its numbers
-come from. A recipe names an entry (`model.name = "tiny"`) and may override any field
+Each entry is a plain table of the architecture fields of `ModelConfig`, citing where its numbers
+come from; it names its `family` (`model/families.py`) and may leave that family's options
+(`head_dim`, `qkv_bias`, `qk_norm`) to its defaults. A recipe names an entry (`model.name = "tiny"`) and may override any field
 (`model.n_layers = 2`); `resolve` merges the two and checks the shapes fit together, once, so the
 model code can trust its config.
 
@@ -16,10 +17,13 @@ import difflib
 
 from trainbook.config.model import ModelConfig
 from trainbook.errors import TrainbookError
+from trainbook.model.families import family
 
 # The architecture fields every entry must define (everything in ModelConfig but the name).
 # Architecture fields (what a registry entry sets); `init_from` and `resize_init` say how to start.
 ARCH_FIELDS = tuple(f for f in ModelConfig.model_fields if f not in ("name", "init_from", "resize_init"))
+# The fields an entry (or a config.json) may leave to its family's defaults.
+OPTIONS = ("family", "head_dim", "qkv_bias", "qk_norm")
 FROM_HF = "from_hf"
 
 # fmt: off
@@ -28,47 +32,113 @@ REGISTRY: dict[str, dict] = {
     # default recipe exercises grouped-query attention. Shapes are ours (no upstream checkpoint).
     "tiny": dict(
         source="trainbook (original; Llama-3 architecture scaled down)",
+        family="llama",
         dim=192, n_layers=4, n_heads=6, n_kv_heads=2, ffn_dim=512, vocab_size=2048,
         norm_eps=1e-5, rope_theta=10000.0, max_seq_len=1024, tie_embeddings=True, init_std=0.02,
     ),
     # ~20M parameters: the mid-size CPU recipe (recipes/bible-shakespeare-20m.toml). Ours too.
     "small": dict(
         source="trainbook (original; Llama-3 architecture, ~20M parameters)",
+        family="llama",
         dim=384, n_layers=12, n_heads=6, n_kv_heads=2, ffn_dim=1024, vocab_size=8192,
         norm_eps=1e-5, rope_theta=10000.0, max_seq_len=1024, tie_embeddings=True, init_std=0.02,
     ),
     # Smallest shape that still has GQA, more than one block and an even head_dim: unit tests.
     "debug": dict(
         source="trainbook (original; unit tests)",
+        family="llama",
         dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=128, vocab_size=512,
         norm_eps=1e-5, rope_theta=10000.0, max_seq_len=256, tie_embeddings=False, init_std=0.02,
     ),
     # Llama 3.1 shapes; also Table 3 of "The Llama 3 Herd of Models" (arXiv:2407.21783).
     "llama3-8b": dict(
         source="https://huggingface.co/meta-llama/Llama-3.1-8B/blob/main/config.json",
+        family="llama",
         dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, ffn_dim=14336, vocab_size=128256,
         norm_eps=1e-5, rope_theta=500000.0, max_seq_len=8192, tie_embeddings=False, init_std=0.02,
     ),
     "llama3-70b": dict(
         source="https://huggingface.co/meta-llama/Llama-3.1-70B/blob/main/config.json",
+        family="llama",
         dim=8192, n_layers=80, n_heads=64, n_kv_heads=8, ffn_dim=28672, vocab_size=128256,
         norm_eps=1e-5, rope_theta=500000.0, max_seq_len=8192, tie_embeddings=False, init_std=0.02,
     ),
     "llama3-405b": dict(
         source="https://huggingface.co/meta-llama/Llama-3.1-405B/blob/main/config.json",
+        family="llama",
         dim=16384, n_layers=126, n_heads=128, n_kv_heads=8, ffn_dim=53248, vocab_size=128256,
         norm_eps=1e-5, rope_theta=500000.0, max_seq_len=8192, tie_embeddings=False, init_std=0.02,
     ),
     # Llama 3.2 text models: tied embeddings (the 128K-row matrix is a large share of them).
     "llama3.2-1b": dict(
         source="https://huggingface.co/meta-llama/Llama-3.2-1B/blob/main/config.json",
+        family="llama",
         dim=2048, n_layers=16, n_heads=32, n_kv_heads=8, ffn_dim=8192, vocab_size=128256,
         norm_eps=1e-5, rope_theta=500000.0, max_seq_len=8192, tie_embeddings=True, init_std=0.02,
     ),
     "llama3.2-3b": dict(
         source="https://huggingface.co/meta-llama/Llama-3.2-3B/blob/main/config.json",
+        family="llama",
         dim=3072, n_layers=28, n_heads=24, n_kv_heads=8, ffn_dim=8192, vocab_size=128256,
         norm_eps=1e-5, rope_theta=500000.0, max_seq_len=8192, tie_embeddings=True, init_std=0.02,
+    ),
+    # Qwen2.5 (family qwen2: q/k/v biases). Base models; theta 1e6, eps 1e-6.
+    "qwen2.5-0.5b": dict(
+        source="https://huggingface.co/Qwen/Qwen2.5-0.5B/blob/main/config.json",
+        family="qwen2",
+        dim=896, n_layers=24, n_heads=14, n_kv_heads=2, ffn_dim=4864, vocab_size=151936,
+        norm_eps=1e-6, rope_theta=1000000.0, max_seq_len=32768, tie_embeddings=True, init_std=0.02,
+    ),
+    "qwen2.5-1.5b": dict(
+        source="https://huggingface.co/Qwen/Qwen2.5-1.5B/blob/main/config.json",
+        family="qwen2",
+        dim=1536, n_layers=28, n_heads=12, n_kv_heads=2, ffn_dim=8960, vocab_size=151936,
+        norm_eps=1e-6, rope_theta=1000000.0, max_seq_len=131072, tie_embeddings=True, init_std=0.02,
+    ),
+    "qwen2.5-7b": dict(
+        source="https://huggingface.co/Qwen/Qwen2.5-7B/blob/main/config.json",
+        family="qwen2",
+        dim=3584, n_layers=28, n_heads=28, n_kv_heads=4, ffn_dim=18944, vocab_size=152064,
+        norm_eps=1e-6, rope_theta=1000000.0, max_seq_len=131072, tie_embeddings=False, init_std=0.02,
+    ),
+    # Qwen3 dense (family qwen3: q/k norms, head_dim 128 at every size, so 0.6B's 16 x 128 = 2048
+    # heads' width is twice its dim of 1024).
+    "qwen3-0.6b": dict(
+        source="https://huggingface.co/Qwen/Qwen3-0.6B/blob/main/config.json",
+        family="qwen3",
+        dim=1024, n_layers=28, n_heads=16, n_kv_heads=8, head_dim=128, ffn_dim=3072, vocab_size=151936,
+        norm_eps=1e-6, rope_theta=1000000.0, max_seq_len=40960, tie_embeddings=True, init_std=0.02,
+    ),
+    "qwen3-1.7b": dict(
+        source="https://huggingface.co/Qwen/Qwen3-1.7B/blob/main/config.json",
+        family="qwen3",
+        dim=2048, n_layers=28, n_heads=16, n_kv_heads=8, head_dim=128, ffn_dim=6144, vocab_size=151936,
+        norm_eps=1e-6, rope_theta=1000000.0, max_seq_len=40960, tie_embeddings=True, init_std=0.02,
+    ),
+    "qwen3-4b": dict(
+        source="https://huggingface.co/Qwen/Qwen3-4B/blob/main/config.json",
+        family="qwen3",
+        dim=2560, n_layers=36, n_heads=32, n_kv_heads=8, head_dim=128, ffn_dim=9728, vocab_size=151936,
+        norm_eps=1e-6, rope_theta=1000000.0, max_seq_len=40960, tie_embeddings=True, init_std=0.02,
+    ),
+    "qwen3-8b": dict(
+        source="https://huggingface.co/Qwen/Qwen3-8B/blob/main/config.json",
+        family="qwen3",
+        dim=4096, n_layers=36, n_heads=32, n_kv_heads=8, head_dim=128, ffn_dim=12288, vocab_size=151936,
+        norm_eps=1e-6, rope_theta=1000000.0, max_seq_len=40960, tie_embeddings=False, init_std=0.02,
+    ),
+    "qwen3-32b": dict(
+        source="https://huggingface.co/Qwen/Qwen3-32B/blob/main/config.json",
+        family="qwen3",
+        dim=5120, n_layers=64, n_heads=64, n_kv_heads=8, head_dim=128, ffn_dim=25600, vocab_size=151936,
+        norm_eps=1e-6, rope_theta=1000000.0, max_seq_len=40960, tie_embeddings=False, init_std=0.02,
+    ),
+    # A CPU-sized Qwen3 (ours): GQA, q/k norms, and a head_dim (32) that is not dim / n_heads (16).
+    "qwen3-tiny": dict(
+        source="trainbook (original; Qwen3 architecture scaled down)",
+        family="qwen3",
+        dim=128, n_layers=4, n_heads=8, n_kv_heads=2, head_dim=32, ffn_dim=384, vocab_size=2048,
+        norm_eps=1e-6, rope_theta=1000000.0, max_seq_len=1024, tie_embeddings=True, init_std=0.02,
     ),
 }
 # fmt: on
@@ -85,22 +155,26 @@ def source(name: str) -> str:
 
 
 def resolve(cfg: ModelConfig) -> ModelConfig:
-    """Every field filled: the registry entry `cfg.name`, overridden by cfg's non-None fields.
+    """Every field filled: the registry entry `cfg.name`, overridden by cfg's non-None fields,
+    the options neither sets taken from the family (`model/families.py`).
 
     Idempotent (resolving a resolved config returns an equal one). Raises TrainbookError naming
     the offending key when the name is unknown or the shapes do not fit together.
     """
+    given = {k: v for k, v in cfg.model_dump(include=set(ARCH_FIELDS)).items() if v is not None}
     if cfg.name == FROM_HF:
-        if not is_resolved(cfg):
+        if any(given.get(k) is None for k in ARCH_FIELDS if k not in OPTIONS):
             raise TrainbookError("the architecture comes from model.init_from's config.json; set init_from = "
                                  "\"hf:PATH\"", where="model.name")
-        _check_shapes(cfg, overridden=set())
-        return cfg
-    entry = REGISTRY[_known(cfg.name)]
-    overrides = {k: v for k, v in cfg.model_dump(include=set(ARCH_FIELDS)).items() if v is not None}
-    values = {k: entry[k] for k in ARCH_FIELDS} | overrides
+        entry, overrides = {}, {}
+    else:
+        entry, overrides = REGISTRY[_known(cfg.name)], given
+    values = {k: entry[k] for k in ARCH_FIELDS if k in entry} | given
+    fam = family(values.get("family"))
+    values |= {k: v for k, v in fam.defaults(values["dim"], values["n_heads"]).items() if k not in values}
+    values["family"] = fam.name
     resolved = ModelConfig(name=cfg.name, init_from=cfg.init_from, resize_init=cfg.resize_init, **values)
-    _check_shapes(resolved, overridden=set(overrides))
+    _check_shapes(resolved, overridden=set(overrides), derived_head_dim="head_dim" not in entry | given)
     return resolved
 
 
@@ -119,13 +193,13 @@ def _known(name: str) -> str:
     )
 
 
-def _check_shapes(cfg: ModelConfig, overridden: set[str]) -> None:
+def _check_shapes(cfg: ModelConfig, overridden: set[str], derived_head_dim: bool) -> None:
     # A shape error involves two keys; blame the one the recipe set, since the registry's own
     # values are consistent (a unit test checks that), else the second one.
     def blame(*keys: str) -> str:
         return "model." + next((k for k in keys if k in overridden), keys[-1])
 
-    if cfg.dim % cfg.n_heads:
+    if derived_head_dim and cfg.dim % cfg.n_heads:
         raise TrainbookError(
             f"dim={cfg.dim} is not divisible by n_heads={cfg.n_heads}",
             where=blame("dim", "n_heads"),
@@ -136,11 +210,10 @@ def _check_shapes(cfg: ModelConfig, overridden: set[str]) -> None:
             "(each key/value head serves a whole group of query heads)",
             where=blame("n_heads", "n_kv_heads"),
         )
-    head_dim = cfg.dim // cfg.n_heads
-    if head_dim % 2:
+    if cfg.head_dim % 2:
         # RoPE rotates channel pairs, so each head needs an even number of channels.
+        how = f"dim / n_heads = {cfg.dim} / {cfg.n_heads} = " if derived_head_dim else ""
         raise TrainbookError(
-            f"head_dim = dim / n_heads = {cfg.dim} / {cfg.n_heads} = {head_dim} is odd; "
-            "RoPE needs an even head_dim",
-            where=blame("dim", "n_heads"),
+            f"head_dim = {how}{cfg.head_dim} is odd; RoPE needs an even head_dim",
+            where=blame("dim", "n_heads") if derived_head_dim else "model.head_dim",
         )

@@ -2,10 +2,8 @@
 
     MFU = tokens/s x FLOPs per token / (devices x peak FLOP/s of one device)
 
-FLOPs per token follow PaLM (Chowdhery et al. 2022, appendix B): 6 N for the matrix multiplies of
-forward and backward, N the parameters that multiply (every projection and the output head; not
-the embedding lookup, not the norms), plus 12 L H Q T for attention's two matmuls (L layers, H
-heads, Q head size, T sequence length). Recomputation under activation checkpointing is not
+FLOPs per token are the model's one count (`trainbook.model.count`: PaLM's 6 N + 12 L H Q T,
+read off the model built on the meta device). Recomputation under activation checkpointing is not
 counted: MFU measures useful work, so turning checkpointing on lowers it.
 
 The peak of one device comes from its maker's datasheet (dense, no sparsity), chosen by the run's
@@ -24,7 +22,6 @@ from pathlib import Path
 import torch
 
 from trainbook.atomic import atomic_write_json
-from trainbook.config import ModelConfig
 
 TFLOPS = 1e12
 
@@ -67,15 +64,6 @@ DATASHEET: tuple[tuple[str, str, dict[str, float | None], str], ...] = (
     ("910_93", "Ascend 910C", {"bf16": 800.0, "tf32": None, "fp32": None},
      "Huawei Ascend 910C (device name Ascend910_93xx), FP16 figure from Huawei Connect 2025"),
 )
-
-
-def model_flops_per_token(m: ModelConfig, seq_len: int) -> float:
-    """PaLM's 6 N + 12 L H Q T for a resolved Llama config (every field set)."""
-    head_dim = m.dim // m.n_heads
-    kv_dim = m.n_kv_heads * head_dim
-    per_layer = 2 * m.dim * m.dim + 2 * m.dim * kv_dim + 3 * m.dim * m.ffn_dim
-    matmul_params = m.n_layers * per_layer + m.dim * m.vocab_size  # + the output head
-    return 6.0 * matmul_params + 12.0 * m.n_layers * m.n_heads * head_dim * seq_len
 
 
 def _datasheet_dtype(dtype: str) -> str:

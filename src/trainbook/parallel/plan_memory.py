@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from itertools import accumulate
 
 from trainbook.config import ModelConfig, ParallelConfig, TrainConfig
+from trainbook.model.count import count
 from trainbook.parallel.dims import MESH_DIMS, ParallelDims
 from trainbook.sizes import human
 
@@ -52,10 +53,10 @@ def compute_bytes(cfg: PlanInputs) -> int:
 
 
 def block_numel(cfg: PlanInputs, tp: int) -> tuple[int, int]:
-    """(matrix elements per block on one tp rank, norm-gain elements per block)."""
-    m = cfg.model
-    kv = m.n_kv_heads * (m.dim // m.n_heads)
-    return (2 * m.dim * m.dim + 2 * m.dim * kv + 3 * m.dim * m.ffn_dim) // tp, 2 * m.dim
+    """(elements per block tp splits, on one tp rank: projections and their biases; elements every
+    rank holds whole: norm gains, q/k norms), from the model's one count (`model/count.py`)."""
+    c = count(cfg.model)
+    return c.block_sharded // tp, c.block_replicated
 
 
 # ---- memory ------------------------------------------------------------------------------------

@@ -14,7 +14,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from trainbook.config import Config
-from trainbook.monitor.flops import Peak, device_peak, model_flops_per_token
+from trainbook.model import flops_per_token
+from trainbook.monitor.flops import Peak, device_peak
 from trainbook.parallel.compile import CompileChoice, settle_compile
 from trainbook.parallel.runtime import Runtime
 
@@ -40,12 +41,12 @@ def settle(cfg: Config, rt: Runtime, workers: Path) -> Settled:
     """Settle `cfg` on this rank (every rank calls it: a collective). `workers`: the run's
     folder for per-host and per-run records (the measured peak, the compile choice)."""
     dims, t = rt.dims, cfg.train
-    flops_per_token = model_flops_per_token(cfg.model, t.seq_len)
+    token_flops = flops_per_token(cfg.model, t.seq_len)
     peak, note = device_peak(rt.device, cfg.precision.dtype, cache=workers / f"peak-{socket.gethostname()}.json")
     accum = t.grad_accum_steps(dims.dp)
     tokens = accum * t.micro_batch_size * t.seq_len * dims.dp
     peaks = [row[0] for row in rt.all_gather_floats([peak.flops if peak else -1.0])]
     compiling = settle_compile(workers / "compile.json", t, rt.device, dims,
-                               step_flops=flops_per_token * tokens / rt.world_size,
+                               step_flops=token_flops * tokens / rt.world_size,
                                peak_flops=None if min(peaks) <= 0 else min(peaks))
-    return Settled(compiling.settled(cfg), cfg, peak, note, compiling, flops_per_token, accum, tokens)
+    return Settled(compiling.settled(cfg), cfg, peak, note, compiling, token_flops, accum, tokens)

@@ -5,7 +5,8 @@ import pytest
 from trainbook.config.model import ModelConfig
 from trainbook.errors import TrainbookError
 from trainbook.model import names, resolve
-from trainbook.model.registry import REGISTRY, is_resolved, source
+from trainbook.model.families import FAMILIES
+from trainbook.model.registry import OPTIONS, REGISTRY, is_resolved, source
 
 ARCH_FIELDS = [f for f in ModelConfig.model_fields if f not in ("name", "init_from", "resize_init")]
 
@@ -20,11 +21,15 @@ def test_names_list_every_entry():
 @pytest.mark.parametrize("name", list(REGISTRY))
 def test_every_entry_is_complete_cited_and_valid(name):
     entry = REGISTRY[name]
-    assert set(entry) == {"source", *ARCH_FIELDS}, "an entry defines every field, nothing else"
+    required = {"source", "family", *(k for k in ARCH_FIELDS if k not in OPTIONS)}
+    assert required <= set(entry) <= {"source", *ARCH_FIELDS}, "every field but the family's options, nothing else"
     assert source(name)
     cfg = resolve(ModelConfig(name=name))
     assert is_resolved(cfg)
-    assert all(getattr(cfg, k) == entry[k] for k in ARCH_FIELDS)
+    assert all(getattr(cfg, k) == entry[k] for k in entry if k != "source")
+    fam = FAMILIES[entry["family"]]  # what the entry leaves out, its family decides
+    assert (cfg.qkv_bias, cfg.qk_norm) == (fam.qkv_bias, fam.qk_norm)
+    assert cfg.head_dim == entry.get("head_dim", cfg.dim // cfg.n_heads)
 
 
 def test_tiny_shape():

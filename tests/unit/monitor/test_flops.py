@@ -9,22 +9,27 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from trainbook.config import ModelConfig
 from trainbook.model import build_model, resolve
-from trainbook.monitor.flops import TFLOPS, measure_matmul_peak, mfu, model_flops_per_token, published_peak
+from trainbook.model import flops_per_token
+from trainbook.monitor.flops import TFLOPS, measure_matmul_peak, mfu, published_peak
 from trainbook.train.engine import lm_loss
 
 
-@pytest.mark.parametrize("overrides", [{}, {"tie_embeddings": False, "n_kv_heads": 6}])
+@pytest.mark.parametrize("overrides", [
+    {}, {"tie_embeddings": False, "n_kv_heads": 6},
+    {"name": "qwen3-tiny"},  # q/k norms, head_dim 32 where dim / n_heads = 16
+    {"name": "qwen3-tiny", "family": "qwen2", "qk_norm": False, "head_dim": None},  # q/k/v biases
+])  # fmt: skip
 def test_flops_per_token_is_what_a_training_step_computes(overrides):
     """6N + 12LHQT equals the FLOPs torch counts in one forward and backward: every matmul, and
     attention's two (run as plain matmuls here: the counter does not see the CPU's fused kernel);
-    embedding lookups and norms count none."""
-    cfg = resolve(ModelConfig(name="tiny", vocab_size=512, **overrides))
+    embedding lookups, norms and biases count none."""
+    cfg = resolve(ModelConfig(**{"name": "tiny", "vocab_size": 512, **overrides}))
     model = build_model(cfg, torch.device("cpu"), seed=0)
     batch, seq = 2, 64
     tokens = torch.randint(0, cfg.vocab_size, (batch, seq))
     with FlopCounterMode(display=False) as counter, sdpa_kernel(SDPBackend.MATH):
         lm_loss(model(tokens), tokens).backward()
-    assert model_flops_per_token(cfg, seq) == pytest.approx(counter.get_total_flops() / (batch * seq), rel=1e-9)
+    assert flops_per_token(cfg, seq) == pytest.approx(counter.get_total_flops() / (batch * seq), rel=1e-9)
 
 
 def test_peaks_come_from_the_table_by_device_name_and_dtype():

@@ -1,0 +1,166 @@
+"""The model families trainbook trains, and how each reads and writes Hugging Face's `config.json`.
+
+A family is one set of architecture options of the one decoder (`model/llama.py`): what its
+`ModelConfig` fields default to (`qkv_bias`, `qk_norm`, how `head_dim` is found) and what the
+Hugging Face architecture of the same computation is called. Registry entries
+(`model/registry.py`) name their family; import (`model/hf_import.py`) finds the family of a
+`config.json` by its `architectures` / `model_type`, never by a model's name; export
+(`model/hf.py`) writes the family's config. Parameter names are the same in every family
+(`model/hf.py`'s one table): Qwen2 and Qwen3 name their projections, norms and biases as Llama does.
+
+Sources, transformers 5.x: `models/llama/modeling_llama.py`, `models/qwen2/modeling_qwen2.py`
+(q/k/v biases hard-wired on, none on o_proj), `models/qwen3/modeling_qwen3.py` (`q_norm`/`k_norm`,
+RMSNorm over head_dim of each head before RoPE; `attention_bias` puts a bias on all four
+projections, o_proj included).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from trainbook.errors import TrainbookError
+
+
+@dataclass(frozen=True)
+class Family:
+    name: str
+    """The value of `model.family`."""
+    architecture: str
+    """The Hugging Face class (config.json `architectures`)."""
+    model_type: str
+    """config.json `model_type`."""
+    qkv_bias: bool
+    """Biases on q/k/v (not o), as the family's released models have them."""
+    qk_norm: bool
+    """Per-head RMSNorm on q and k before RoPE."""
+    head_dim: int | None
+    """The family's fixed head_dim when config.json leaves it out (Qwen3Config: 128); None:
+    hidden_size / num_attention_heads."""
+    max_position_embeddings: int
+    """transformers' default for a config.json that leaves it out."""
+    source: str
+
+    def defaults(self, dim: int, n_heads: int) -> dict:
+        """The option fields a config that does not set them gets."""
+        return {"qkv_bias": self.qkv_bias, "qk_norm": self.qk_norm,
+                "head_dim": self.head_dim if self.head_dim is not None else dim // n_heads}
+
+
+FAMILIES: dict[str, Family] = {
+    f.name: f
+    for f in (
+        Family("llama", "LlamaForCausalLM", "llama", qkv_bias=False, qk_norm=False, head_dim=None,
+               max_position_embeddings=2048,
+               source="transformers/models/llama/modeling_llama.py"),
+        Family("qwen2", "Qwen2ForCausalLM", "qwen2", qkv_bias=True, qk_norm=False, head_dim=None,
+               max_position_embeddings=32768,
+               source="transformers/models/qwen2/modeling_qwen2.py (Qwen2 and Qwen2.5)"),
+        Family("qwen3", "Qwen3ForCausalLM", "qwen3", qkv_bias=False, qk_norm=True, head_dim=128,
+               max_position_embeddings=32768,
+               source="transformers/models/qwen3/modeling_qwen3.py"),
+    )
+}
+DEFAULT = "llama"
+"""The family of a config that names none (every recipe and checkpoint from before families)."""
+
+
+def family(name: str | None) -> Family:
+    """The family called `name` (None: Llama)."""
+    return FAMILIES[name or DEFAULT]
+
+
+def with_options(model: dict) -> dict:
+    """A saved `[model]` table (a resolved config.json of a run, a manifest's, a baseline's) with the
+    family options filled where it was written before they existed: the values that model was
+    built with (Llama: no biases, no q/k norms, head_dim = dim / n_heads). So an old run, checkpoint
+    or baseline compares equal to the same model today. Tables without dim/n_heads are as given."""
+    if not isinstance(model.get("dim"), int) or not isinstance(model.get("n_heads"), int) or model["n_heads"] < 1:
+        return model
+    fam = FAMILIES.get(model.get("family") or DEFAULT)
+    if fam is None:
+        return model
+    filled = {"family": fam.name, **fam.defaults(model["dim"], model["n_heads"])}
+    return {**model, **{k: v for k, v in filled.items() if model.get(k) is None}}
+
+
+def of_hf_config(config: dict, where: str) -> Family:
+    """The family whose Hugging Face architecture `config` (a parsed config.json) names, or a
+    one-line error naming the architecture and the ones trainbook imports."""
+    archs = config.get("architectures") or []
+    archs = archs if isinstance(archs, list) else [archs]
+    model_type = config.get("model_type")
+    known = ", ".join(f.architecture for f in FAMILIES.values())
+    if not archs and model_type is None:
+        raise TrainbookError(f"names no architecture ('architectures', 'model_type'); trainbook imports {known}",
+                             where=where)
+    by_arch = {f.architecture: f for f in FAMILIES.values()}
+    by_type = {f.model_type: f for f in FAMILIES.values()}
+    found = {by_arch.get(a) for a in archs} if archs else {by_type.get(model_type)}
+    if None in found or len(found) != 1:
+        other = next((a for a in archs if a not in by_arch), None) or model_type
+        raise TrainbookError(f"unsupported architecture '{other}' (trainbook imports {known})", where=where)
+    fam = found.pop()
+    if model_type not in (None, fam.model_type):
+        raise TrainbookError(f"architectures says {fam.architecture} but model_type is '{model_type}'", where=where)
+    return fam
+
+
+def unsupported(fam: Family, config: dict) -> list[str]:
+    """What in `config` this family's decoder would compute differently from transformers."""
+    problems = []
+    scaling = rope_scaling(config)
+    if scaling is not None:
+        problems.append(f"RoPE scaling '{scaling}' (trainbook's RoPE is unscaled)")
+    if config.get("attention_bias") and fam.name != "qwen2":
+        problems.append("attention_bias=true (a bias on o_proj too; trainbook biases q/k/v only)")
+    if config.get("mlp_bias"):
+        problems.append("mlp_bias=true (trainbook's SwiGLU has no biases)")
+    if config.get("use_sliding_window"):
+        problems.append("use_sliding_window=true (trainbook's attention is full causal; the released "
+                        "Qwen models have it off)")
+    act = config.get("hidden_act", "silu")
+    if act != "silu":
+        problems.append(f"hidden_act='{act}' (trainbook's SwiGLU uses silu)")
+    return problems
+
+
+def rope_scaling(config: dict) -> str | None:
+    """The RoPE scaling `config` asks for; None for plain RoPE. transformers 5 writes
+    `rope_parameters: {rope_type, rope_theta, ...}`, 4.x wrote `rope_scaling` (null: none)."""
+    scaling = config.get("rope_scaling")
+    if scaling is not None:
+        kind = scaling.get("rope_type", scaling.get("type")) if isinstance(scaling, dict) else None
+        if kind != "default":
+            return str(kind or scaling)
+    params = config.get("rope_parameters")
+    if isinstance(params, dict) and params.get("rope_type", "default") != "default":
+        return str(params["rope_type"])
+    return None
+
+
+def rope_theta(config: dict) -> float:
+    """RoPE's base: transformers 5's `rope_parameters.rope_theta`, else 4.x's top-level `rope_theta`."""
+    params = config.get("rope_parameters")
+    if isinstance(params, dict) and params.get("rope_theta") is not None:
+        return params["rope_theta"]
+    return config["rope_theta"] if config.get("rope_theta") is not None else 10000.0
+
+
+def hf_fields(fam: Family, cfg) -> dict:
+    """The family-specific part of the `config.json` of resolved ModelConfig `cfg`, or a one-line
+    error when the family's Hugging Face class cannot express one of cfg's options."""
+    if cfg.qkv_bias != fam.qkv_bias or cfg.qk_norm != fam.qk_norm:
+        raise TrainbookError(
+            f"{fam.architecture} has qkv_bias={str(fam.qkv_bias).lower()}, qk_norm={str(fam.qk_norm).lower()}; "
+            f"this model has qkv_bias={str(cfg.qkv_bias).lower()}, qk_norm={str(cfg.qk_norm).lower()}, "
+            "which no Hugging Face class of its family computes",
+            where="model.family",
+        )
+    out = {"architectures": [fam.architecture], "model_type": fam.model_type, "head_dim": cfg.head_dim}
+    if fam.name == "llama":
+        out |= {"attention_bias": False, "mlp_bias": False}
+    if fam.name == "qwen3":
+        out |= {"attention_bias": False}
+    if fam.name in ("qwen2", "qwen3"):
+        out |= {"use_sliding_window": False, "sliding_window": None, "max_window_layers": cfg.n_layers}
+    return out
