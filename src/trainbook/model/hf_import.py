@@ -101,7 +101,7 @@ def model_config_from_hf(path: Path) -> ModelConfig:
         if config.get(key) is None and default is None:
             raise TrainbookError(f"'{key}' is missing", where=where)
         values[field] = default if config.get(key) is None else config[key]
-    values["n_kv_heads"] = config.get("num_key_value_heads") or values["n_heads"]
+    values["n_kv_heads"] = _kv_heads(fam, config, values["n_heads"])
     values["rope_theta"] = families.rope_theta(config)
     values["max_seq_len"] = config.get("max_position_embeddings") or fam.max_position_embeddings
     values |= {"family": fam.name, **_options(fam, config, values)}
@@ -113,6 +113,13 @@ def model_config_from_hf(path: Path) -> ModelConfig:
         raise TrainbookError(f"'{key}': {err['msg']} (got {err['input']!r})", where=where) from None
     _check_heads(cfg, config, where)
     return cfg
+
+
+def _kv_heads(fam: families.Family, config: dict, n_heads):
+    # As transformers reads it: left out, the family config's default (Qwen: 32); null, the query heads.
+    if "num_key_value_heads" not in config:
+        return fam.num_key_value_heads or n_heads
+    return config["num_key_value_heads"] if config["num_key_value_heads"] is not None else n_heads
 
 
 def _options(fam: families.Family, config: dict, values: dict) -> dict:
@@ -132,6 +139,8 @@ def _check_heads(cfg: ModelConfig, config: dict, where: str) -> None:
         raise TrainbookError(why, where=where)
     if cfg.n_heads % cfg.n_kv_heads:
         why = f"num_attention_heads={cfg.n_heads} is not a multiple of num_key_value_heads={cfg.n_kv_heads}"
+        if "num_key_value_heads" not in config:
+            why += " (its default where config.json leaves it out)"
         raise TrainbookError(why, where=where)
     if cfg.head_dim % 2:
         raise TrainbookError(f"head_dim={cfg.head_dim} is odd; RoPE needs an even head_dim", where=where)

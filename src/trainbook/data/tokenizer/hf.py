@@ -37,7 +37,9 @@ from trainbook.data.tokenizer.base import Tokenizer, read_file
 from trainbook.errors import TrainbookError, one_line
 
 FILE = "tokenizer.json"
-# Looked up in this order when the recipe leaves a special token unset.
+# Looked up in this order when the recipe leaves a special token unset, among the file's special
+# added tokens only: a regular vocabulary entry spelled the same is text (Qwen's BPE has "</s>" and
+# "<s>" as ordinary merges, ids 128247 and 128245; as EOS, a document's literal "</s>" would end it).
 EOS_CANDIDATES = ("</s>", "<|endoftext|>", "<|end_of_text|>", "<eos>")
 BOS_CANDIDATES = ("<s>", "<|begin_of_text|>", "<bos>")
 PAD_CANDIDATES = ("<pad>", "<|pad|>")
@@ -70,7 +72,8 @@ class HFTokenizer(Tokenizer):
         return max(self._hf.get_vocab(with_added_tokens=True).values(), default=-1) + 1
 
     def _first_present(self, candidates: tuple[str, ...]) -> str | None:
-        return next((t for t in candidates if self.token_to_id(t) is not None), None)
+        specials = {t.content for t in self._hf.get_added_tokens_decoder().values() if t.special}
+        return next((t for t in candidates if t in specials), None)
 
     def _own_specials(self):
         candidates = (EOS_CANDIDATES, BOS_CANDIDATES, PAD_CANDIDATES)
