@@ -3,7 +3,8 @@
 - Special-token strings inside the *text* are encoded as ordinary text: a document that happens
   to contain "<|endoftext|>" must not inject a real EOS; only packing places EOS tokens.
 - No post-processor specials (`add_special_tokens=False`): BOS, when wanted, comes from
-  `add_bos`. So `decode(encode(text)) == text` for any text with a byte-level tokenizer.
+  `add_bos`. So `decode(encode(text)) == text` for any text with a byte-level tokenizer (as its
+  normal form where the file normalises: Qwen's NFC gives "e" + U+0301 back as "é").
 
 Speed: `tokenizers` encodes one long text several times slower per byte than many short ones
 (measured on the plays: 150 KB documents 6 s, 2 KB pieces 2.6 s, 2 cores). When the tokenizer's
