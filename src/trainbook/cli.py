@@ -126,7 +126,7 @@ def sample(
 @app.command()
 def export(
     target: Annotated[Path, typer.Argument(help="A run directory (its newest valid checkpoint) or a checkpoint.")],
-    format: Annotated[str, typer.Option("--format", help="safetensors (trainbook names) | hf (LlamaForCausalLM folder).")],
+    format: Annotated[str, typer.Option("--format", help="safetensors (trainbook names) | hf (a Hugging Face folder of the model's family: Llama, Qwen2, Qwen3).")],
     out: Annotated[Path, typer.Option(help="New folder to write; must not exist or be empty.")],
     dtype: Annotated[str, typer.Option(help="fp32 | bf16 | fp16.")] = "fp32",
 ) -> None:

@@ -2,7 +2,7 @@
 
     --format safetensors   OUT/model.safetensors      trainbook parameter names; the step and the
                                                       model config in its `__metadata__`
-    --format hf            OUT/model.safetensors      `LlamaForCausalLM` names (model.hf)
+    --format hf            OUT/model.safetensors      the family's Hugging Face names (model.hf): Llama, Qwen2, Qwen3
                            OUT/config.json            from the run's resolved model config
                            OUT/generation_config.json the tokenizer's bos/eos/pad ids
                            OUT/<tokenizer files>      the run's `tokenizer/` folder, plus

@@ -15,7 +15,7 @@ class ModelConfig(Section):
     """A registry name (`trainbook.model.registry`), or `from_hf`: the architecture of `init_from`'s
     config.json; the fields below override its values."""
     init_from: str | None = None
-    """`hf:PATH`: start from a Hugging Face Llama directory's weights (and use its tokenizer)."""
+    """`hf:PATH`: start from a Hugging Face directory (Llama, Qwen2/Qwen2.5 or Qwen3)'s weights (and use its tokenizer)."""
     resize_init: Literal["mean", "normal"] = "mean"
     """Rows added when `vocab_size` exceeds the imported vocabulary: the mean of the existing
     embeddings, or normal(0, init_std)."""
