@@ -11,18 +11,19 @@ from trainbook.config import ModelConfig
 from trainbook.model import build_model, flops_per_token, num_params, resolve
 
 
-def test_bench_model_reports_rate_mfu_split_and_memory_without_data(tmp_path):
+@pytest.mark.parametrize("name", ["tiny", "qwen3-tiny"])  # Llama; Qwen3 (q/k norms, head_dim != dim / n_heads)
+def test_bench_model_reports_rate_mfu_split_and_memory_without_data(tmp_path, name):
     """No data is prepared (the recipe's corpus does not even exist); the figures hang together:
     tokens/s is the step's tokens over its median time, MFU is tokens/s x FLOPs per token over
     the measured peak, the phases add up to the step, and the plan's estimate is given."""
     recipe = write_recipe(tmp_path / "unit.toml", tmp_path / "no-such-corpus")
     out = tmp_path / "bench.json"
-    done = run_cli("bench", "model", str(recipe), "model.name=tiny", "train.micro_batch_size=2",
+    done = run_cli("bench", "model", str(recipe), f"model.name={name}", "train.micro_batch_size=2",
                    "train.compile=false", "--steps", "3", "--json", str(out), cwd=tmp_path)
     assert done.returncode == 0, done.stderr
     b = json.loads(out.read_text())
     assert not (tmp_path / "runs").exists()  # nothing prepared, no run directory
-    model = resolve(ModelConfig(name="tiny", vocab_size=512))  # the recipe's vocabulary
+    model = resolve(ModelConfig(name=name, vocab_size=512))  # the recipe's vocabulary
     assert b["params"] == num_params(build_model(model, "meta", 0))
     assert b["tokens_per_step"] == 256  # global_batch_tokens: 4 micro-batches of 2 x 32
     assert b["tokens_per_s"] == pytest.approx(b["tokens_per_step"] / b["step_s"])

@@ -74,3 +74,18 @@ def test_a_nonfinite_gradient_is_found_in_backward_when_outputs_are_finite():
     assert located.forward is None
     assert located.backward[2] == "0"  # the gradient flowing back into module 0's output is inf
     assert not any(h for h in located._hooks)  # hooks removed on exit
+
+
+def test_a_nan_in_a_qwen3_query_norm_is_named_by_its_module_path():
+    """A real decoder of the Qwen3 family, a NaN put in one block's q_norm gain: the locator names
+    that module (inside attention, before RoPE), not its block or the attention around it."""
+    from trainbook.config.model import ModelConfig
+    from trainbook.model import build_model
+
+    model = build_model(ModelConfig(name="qwen3-tiny", n_layers=2, vocab_size=64), "cpu", seed=0)
+    with torch.no_grad():
+        model.layers["1"].attention.q_norm.weight[3] = float("nan")
+    tokens = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(0))
+    with Locator(model, active=lambda: True) as located:
+        model(tokens[:, :-1], targets=tokens[:, 1:]).backward()
+    assert located.forward[2] == "layers.1.attention.q_norm"
