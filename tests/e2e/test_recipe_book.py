@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from tests import readme
-from tests.conftest import CHILD_TIMEOUT_S, RECIPES, run_cli, write_hf_llama
+from tests.conftest import CHILD_TIMEOUT_S, RECIPES, run_cli, write_hf_config_of, write_hf_llama
 from trainbook.commands.plan import plan_command
 from trainbook.config import load_config
 
@@ -41,9 +41,13 @@ def test_the_book_has_its_recipes():
 @pytest.mark.parametrize("recipe", _recipes(), ids=lambda p: p.stem)
 def test_every_recipe_plans_for_its_world_and_says_what_plan_says(recipe, tmp_path):
     overrides = []
-    if load_config(recipe).model.init_from:  # a recipe that imports weights: a tiny random folder
+    model = load_config(recipe).model
+    if model.init_from and model.name == "from_hf":  # a recipe that imports weights: a tiny random folder
         write_hf_llama(tmp_path / "llama-hf", max_positions=1024)
         overrides = [f"model.init_from=hf:{tmp_path / 'llama-hf'}"]
+    elif model.init_from:  # a named architecture, checked against the folder's: its config.json
+        write_hf_config_of(tmp_path / "hf", model.name)
+        overrides = [f"model.init_from=hf:{tmp_path / 'hf'}"]
     cfg = load_config(recipe, overrides)
     text = recipe.read_text(encoding="utf-8")
     said = re.search(r"plan \S+ --device-memory (\d+)GiB says", text)
@@ -186,3 +190,22 @@ def test_sweep_bad_grid_is_exit_2(recipe, tmp_path):
 def test_the_packaged_default_has_its_baseline():
     packaged = Path(__import__("trainbook").__file__).parent / "recipes"
     assert (packaged / "baselines" / "tiny-shakespeare.json").is_file()
+
+
+def test_the_qwen3_recipe_trains_on_the_default_data_and_samples(shakespeare_cache, tmp_path):
+    """The CPU-sized Qwen3 (q/k norms, head_dim 32 over dim 128) on the default recipe's prepared
+    plays: it trains, its resolved config says what it built, and `sample` reads the run back."""
+    run_dir = tmp_path / "run"
+    done = run_cli("run", str(RECIPES / "qwen3-tiny-shakespeare.toml"), "train.max_steps=8", "train.compile=false",
+                   "log.every_steps=2", "train.eval_every=4", "train.eval_steps=2", f"data.cache_dir={shakespeare_cache}",
+                   "--run-dir", str(run_dir), cwd=tmp_path)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "model qwen3-tiny: 1,049,984 parameters" in done.stdout  # the recipe's arithmetic
+    assert "prepared" not in done.stdout  # the default recipe's shards and tokenizer, as they were
+    model = load_config(run_dir / "config.resolved.toml").model
+    assert (model.family, model.head_dim, model.qk_norm, model.qkv_bias) == ("qwen3", 32, True, False)
+    losses = [json.loads(line)["loss"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()
+              if json.loads(line)["kind"] == "train"]
+    assert len(losses) == 4 and losses[-1] < losses[0] - 0.3, losses  # from ln(1024) = 6.93 down
+    sampled = run_cli("sample", str(run_dir), "--prompt", "ROMEO:", "--max-new-tokens", "12", "--seed", "1")
+    assert sampled.returncode == 0 and sampled.stdout.startswith("ROMEO:"), sampled.stderr

