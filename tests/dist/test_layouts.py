@@ -26,11 +26,17 @@ states and the pipeline's loss function applies the head).
 One data-parallel layout (fsdp2) trains with `optim.grad_clip = 0` against a single-process run
 without clipping too, so the update itself follows the raw gradient there.
 
+Two layouts train a tiny Qwen3 with q/k/v biases (`qwen3-tiny`: q/k norms, head_dim 32 over dim
+128, 8 heads / 2 kv heads) against the single-process run of the same model: tensor parallel
+(biases split with their projections' rows; the q/k norms' gains replicated, their gradient
+summed over each rank's heads) and FSDP. A q_norm gain whose gradient is left unsummed over tp
+moves that gain by ~4e-3 relative in 20 steps and the gradient norm by ~2e-4.
+
 Tolerances. Every layout adds the same per-sample gradients in another order (all-reduce,
 reduce-scatter, sharded matmuls, pipeline chunks of 1 sample accumulated); AdamW's 1/sqrt(v)
 magnifies such rounding in near-zero gradients, most in the weights. Largest differences measured
 here over all layouts (pipelines against the ordinary single-process run): loss 1.7e-7, gradient
-norm 1.2e-6, weights 7.5e-5 (tp2, fsdp2-tp2; pipelines 2.5e-5). The bounds below keep a margin
+norm 1.2e-6, weights 7.5e-5 (tp2, fsdp2-tp2; pipelines 2.5e-5; qwen3-tp2 4.8e-5, qwen3-fsdp2 5.5e-6). The bounds below keep a margin
 over those and stay far below what a wrong gradient produces (a summed instead of averaged
 gradient doubles the gradient norm; a skipped tied-gradient exchange moves the embedding by
 ~1e-2 relative).
@@ -50,6 +56,9 @@ from trainbook.checkpoint import load_state, tensor_entries
 COMMON = ["model.name=tiny", "train.max_steps=20", "train.micro_batch_size=2", "train.eval_every=10",
           "log.every_steps=1", "checkpoint.interval_steps=10", "monitor.layer_stats_every=1"]
 NO_CLIP = "optim.grad_clip=0"
+# A tiny Qwen3 (q/k norms, head_dim 32 != dim / n_heads = 16, 8 heads / 2 kv heads) with Qwen2.5's
+# q/k/v biases too: every option of the decoder that tensor parallel places.
+QWEN3 = ["model.name=qwen3-tiny", "model.qkv_bias=true"]
 
 LAYOUTS = {
     "ddp2": (2, ["parallel.data_parallel=ddp", "parallel.dp_replicate=2", "parallel.dp_shard=1"]),
@@ -61,6 +70,8 @@ LAYOUTS = {
     "hsdp2x2": (4, ["parallel.dp_replicate=2", "parallel.dp_shard=2"]),
     "fsdp2-tp2": (4, ["parallel.dp_shard=2", "parallel.tp=2"]),
     "fsdp2-pp2": (4, ["parallel.dp_shard=2", "parallel.pp=2"]),
+    "qwen3-tp2": (2, QWEN3 + ["parallel.tp=2", "parallel.dp_shard=1"]),
+    "qwen3-fsdp2": (2, QWEN3 + ["parallel.dp_shard=2"]),
 }
 
 # Largest relative difference allowed: (loss, grad_norm, weights); see the module docstring.
@@ -132,23 +143,26 @@ def _layer_differences(got: dict[int, dict], expected: dict[int, dict]) -> dict[
 
 
 class Baselines:
-    """Single-process runs of the recipe (with and without clipping), made once each and shared."""
+    """Single-process runs of the recipe, made once each and shared: one per model (a layout's
+    `model.*` overrides) and clipping (with or without) that some layout asks for."""
 
     def __init__(self, tmp: Path, data: DebugData):
         self.recipe = write_recipe(tmp / "unit.toml", data.corpus, cache_dir=data.cache)
-        self._runs: dict[bool, tuple[dict, dict]] = {}
+        self._runs: dict[tuple, tuple[dict, dict]] = {}
 
-    def run_dir(self, clip: bool = True) -> Path:
-        return self.recipe.parent / ("single" if clip else "single-noclip")
+    def run_dir(self, clip: bool = True, model: tuple[str, ...] = ()) -> Path:
+        name = "single" + ("" if clip else "-noclip") + "".join(f"-{o.replace('=', '_')}" for o in model)
+        return self.recipe.parent / name
 
-    def results(self, clip: bool = True) -> tuple[dict, dict]:
-        if clip not in self._runs:
-            done = run_cli("run", str(self.recipe), *COMMON, *([] if clip else [NO_CLIP]),
-                           "--run-dir", str(self.run_dir(clip)), cwd=self.recipe.parent)
+    def results(self, clip: bool = True, model: tuple[str, ...] = ()) -> tuple[dict, dict]:
+        key, run_dir = (clip, model), self.run_dir(clip, model)
+        if key not in self._runs:
+            done = run_cli("run", str(self.recipe), *COMMON, *model, *([] if clip else [NO_CLIP]),
+                           "--run-dir", str(run_dir), cwd=self.recipe.parent)
             assert done.returncode == 0, done.stderr
-            self._runs[clip] = _metrics(self.run_dir(clip)), _weights(self.run_dir(clip))
-            assert len([k for k in self._runs[clip][0] if k[0] == "train"]) == 20
-        return self._runs[clip]
+            self._runs[key] = _metrics(run_dir), _weights(run_dir)
+            assert len([k for k in self._runs[key][0] if k[0] == "train"]) == 20
+        return self._runs[key]
 
 
 @pytest.fixture(scope="module")
@@ -169,7 +183,9 @@ def _run(baselines: Baselines, nproc: int, overrides: list[str], run_dir: Path, 
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_layout_matches_one_process(baselines, tmp_path, layout):
     nproc, overrides = LAYOUTS[layout]
-    expected = baselines.results(clip=NO_CLIP not in overrides)
+    # The single-process run of the same model, clipped as the layout is.
+    baseline = {"clip": NO_CLIP not in overrides, "model": tuple(o for o in overrides if o.startswith("model."))}
+    expected = baselines.results(**baseline)
     _run(baselines, nproc, overrides, tmp_path / layout)
     worst = _differences((_metrics(tmp_path / layout), _weights(tmp_path / layout)), expected)
     tolerance = dict(zip(worst, REL))
@@ -177,7 +193,7 @@ def test_layout_matches_one_process(baselines, tmp_path, layout):
     failed = {kind: (f"{value:.3e} > {tolerance[kind]:.0e}", where) for kind, (value, where) in worst.items()
               if not value <= tolerance[kind]}
     assert not failed, (layout, failed)
-    layers = _layer_differences(_layers(tmp_path / layout), _layers(baselines.run_dir(NO_CLIP not in overrides)))
+    layers = _layer_differences(_layers(tmp_path / layout), _layers(baselines.run_dir(**baseline)))
     assert len(layers) == 20
     print(layout, "layers", f"step 1 {layers[1][0]:.2e}", f"worst {max(layers.values())[0]:.2e}")
     assert layers[1][0] <= 1e-5, (layout, layers[1])

@@ -7,7 +7,8 @@ most bytes kept for backward at once during a forward + backward (saved-tensor h
 storages, with selective checkpointing's cache and a pipeline stage's outputs; `SavedBytes`):
 plan's activation estimate must be within 5% of them, for every pipeline schedule and
 checkpointing mode. In one process, the estimate is held against the hooks for every
-checkpointing mode, in fp32 and bf16.
+checkpointing mode, in fp32 and bf16, of the tiny Llama and of a tiny Qwen3 (q/k norms, a
+head_dim of its own).
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ RECIPE = Path(__file__).resolve().parents[2] / "recipes" / "tiny-shakespeare.tom
 COMMON = ["model.name=tiny", "train.seq_len=32", "train.micro_batch_size=2"]
 PP2 = ["parallel.dp_shard=1", "parallel.pp=2"]
 PP2_4MB = PP2 + ["train.micro_batch_size=4", "parallel.pp_microbatches=4"]  # 1F1B's ranks then differ
+QWEN3 = ["model.name=qwen3-tiny"]
 TWO_RANKS = {
     "fsdp2": ["parallel.dp_shard=2"],
     # bf16 under FSDP2's policy: the blocks get the fp32 RoPE tables uncast (no copy per block).
@@ -49,6 +51,11 @@ TWO_RANKS = {
                                           "train.activation_checkpoint=selective"],
     "pp2-interleaved-full": PP2_4MB + ["parallel.pp_schedule=interleaved1f1b", "parallel.pp_stages_per_rank=2",
                                        "train.activation_checkpoint=full"],
+    # Qwen3-shaped: q/k norms on each rank's heads, head_dim 32 != dim / n_heads = 16, 8 / 2 heads;
+    # one with q/k/v biases (sharded with their projections), in bf16 (the norms save fp32 copies).
+    "qwen3-tp2": QWEN3 + ["parallel.dp_shard=1", "parallel.tp=2"],
+    "qwen3-bias-tp2-bf16": QWEN3 + ["model.qkv_bias=true", "parallel.dp_shard=1", "parallel.tp=2",
+                                    "precision.dtype=bf16"],
 }
 FOUR_RANKS = {
     "hsdp2x2-bf16": ["parallel.dp_replicate=2", "parallel.dp_shard=2", "precision.dtype=bf16"],
@@ -72,9 +79,16 @@ def launch(out: Path, nproc: int, names: list[str]) -> dict[str, list[dict]]:
 
 
 @pytest.fixture(scope="module")
-def measured(tmp_path_factory) -> dict[str, list[dict]]:
+def measured(request, tmp_path_factory) -> dict[str, list[dict]]:
+    """The selected cases (all, or those `-k` keeps), one launch per world size."""
     out = tmp_path_factory.mktemp("plan")
-    return launch(out, 2, list(TWO_RANKS)) | launch(out, 4, list(FOUR_RANKS))
+    selected = {item.callspec.params["case"] for item in request.session.items
+                if item.module is request.module and "case" in getattr(getattr(item, "callspec", None), "params", {})}
+    found = {}
+    for nproc, cases in ((2, TWO_RANKS), (4, FOUR_RANKS)):
+        if names := [n for n in cases if n in selected]:
+            found |= launch(out, nproc, names)
+    return found
 
 
 CASE_SIZES = [(name, 2) for name in TWO_RANKS] + [(name, 4) for name in FOUR_RANKS]
@@ -117,10 +131,12 @@ def test_activation_estimate_within_5_percent_of_what_is_kept(measured, case, wo
         assert abs(estimate - actual) <= 0.05 * actual, (case, rank, estimate, actual)
 
 
+@pytest.mark.parametrize("model", [[], QWEN3], ids=["tiny", "qwen3"])
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
 @pytest.mark.parametrize("mode", ["none", "full", "selective"])
-def test_activation_estimate_in_one_process(mode, dtype):
-    res = resolve(RECIPE, COMMON + [f"train.activation_checkpoint={mode}", f"precision.dtype={dtype}"], 1)
+def test_activation_estimate_in_one_process(mode, dtype, model):
+    overrides = COMMON + model + [f"train.activation_checkpoint={mode}", f"precision.dtype={dtype}"]
+    res = resolve(RECIPE, overrides, 1)
     cfg = res.cfg
     model = parallelize(build_model(cfg.model, "cpu", seed=0), res.dims, None, ApplyOptions(mode))
     tokens = torch.randint(0, cfg.model.vocab_size, (cfg.train.micro_batch_size, cfg.train.seq_len + 1))
@@ -129,7 +145,6 @@ def test_activation_estimate_in_one_process(mode, dtype):
     with saved, cached, Precision(cfg.precision, torch.device("cpu")).autocast():
         lm_loss(model(tokens[:, :-1].contiguous()), tokens[:, 1:].contiguous())
     actual = saved.total
-    plan = json.loads(plan_command(RECIPE, COMMON + [f"train.activation_checkpoint={mode}",
-                                                     f"precision.dtype={dtype}"], 1, None, as_json=True))
+    plan = json.loads(plan_command(RECIPE, overrides, 1, None, as_json=True))
     estimate = plan["memory"]["per_rank"][0]["activations"][mode]["kept"]
     assert abs(estimate - actual) <= 0.05 * actual, (estimate, actual)

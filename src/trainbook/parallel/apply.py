@@ -92,6 +92,14 @@ def tp_plan(model: nn.Module) -> dict[str, object]:
     Between blocks the residual stream is sharded along the sequence (Shard(1)); each attention
     and feed-forward gathers it, splits heads / hidden units column-wise, and reduce-scatters back.
     The output head gathers the sequence and returns full logits on every tp rank.
+
+    Entries follow the modules the model has (a family's options), never its name: q/k/v biases
+    shard with their projections (ColwiseParallel splits a bias on dim 0 with the weight's rows);
+    q/k norms, one gain of head_dim shared by every head, are replicated and see this rank's heads
+    of the (B, T, heads, head_dim) q or k as a DTensor sharded on dim 2, so the gain's gradient,
+    a sum over every position and head, is summed over tp like the block norms' over the sequence
+    (the "replicated with gradient all-reduce" of torchtitan's Qwen3 and HF's tp plans); the norm
+    returns the local heads, as the projection handed them over.
     """
     plan: dict[str, object] = {
         "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
@@ -107,6 +115,8 @@ def tp_plan(model: nn.Module) -> dict[str, object]:
             f"{p}.attention.wq": ColwiseParallel(),
             f"{p}.attention.wk": ColwiseParallel(),
             f"{p}.attention.wv": ColwiseParallel(),
+            f"{p}.attention.q_norm": SequenceParallel(sequence_dim=2, use_local_output=True),
+            f"{p}.attention.k_norm": SequenceParallel(sequence_dim=2, use_local_output=True),
             f"{p}.attention.wo": RowwiseParallel(output_layouts=Shard(1)),
             f"{p}.ffn_norm": SequenceParallel(),
             f"{p}.feed_forward": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),

@@ -7,7 +7,7 @@ nothing), and the resulting DTensors are read: placements per mesh dimension, gl
 shapes. So FSDP2's padded dim-0 chunks, TP's column/row shards and their strided composition are
 exactly what the trainer's ranks will hold. Parameters, gradients and optimizer states are exact
 bytes (tests/dist/test_plan.py compares them with real gloo ranks); activations are an estimate
-from a per-block formula of this Llama (compared with saved-tensor hooks in the same test).
+from a per-block formula of the decoder (compared with saved-tensor hooks in the same test).
 
 Gradient layouts equal parameter layouts, with one exception torch 2.13 has: a tensor-parallel
 (Shard(0)) embedding without FSDP gets a Replicate gradient (the full table on every tp rank),
@@ -155,8 +155,9 @@ def make_plan(cfg: PlanInputs, dims: ParallelDims, device_memory: int | None = N
     ranks = simulate(cfg, dims)
     plan = {
         "recipe": recipe, "world_size": world_size,
-        "model": {"name": m.name, "params": num_params(model), "n_layers": m.n_layers, "dim": m.dim,
-                  "n_heads": m.n_heads, "n_kv_heads": m.n_kv_heads, "ffn_dim": m.ffn_dim,
+        "model": {"name": m.name, "family": m.family, "params": num_params(model), "n_layers": m.n_layers,
+                  "dim": m.dim, "n_heads": m.n_heads, "n_kv_heads": m.n_kv_heads, "head_dim": m.head_dim,
+                  "qkv_bias": m.qkv_bias, "qk_norm": m.qk_norm, "ffn_dim": m.ffn_dim,
                   "vocab_size": m.vocab_size, "tie_embeddings": m.tie_embeddings},
         "precision": {"weights": "fp32", "compute": cfg.dtype},
         "mesh": _mesh(dims, cfg),
@@ -332,9 +333,10 @@ def _gradient_path(dims: ParallelDims, cfg: PlanInputs) -> list[dict]:
         path.append({"dim": "tp", "op": "all-gather", "bytes": logits, "per": "micro-batch",
                      "text": f"embedding output reduce-scattered to sequence shards; the head all-gathers the "
                              f"sequence and then the logits ({human(logits)}: every tp rank gets all of them)"})
+        qk = " (and the q/k norms', summed over each rank's heads)" if m.qk_norm else ""
         path.append({"dim": "tp", "op": "all-reduce", "bytes": (m.n_layers * gains + m.dim) * 4, "per": "step",
-                     "text": "norm-gain gradients are partial sums (Partial) on each tp rank: all-reduced when "
-                             "clipping and the optimizer read them"})
+                     "text": f"norm-gain gradients{qk} are partial sums (Partial) on each tp rank: all-reduced "
+                             "when clipping and the optimizer read them"})
     if dims.pp > 1:
         act = tokens // dims.tp * m.dim * r
         path.append({"dim": "pp", "op": "send/recv", "bytes": act, "per": "micro-batch",

@@ -1,5 +1,5 @@
 """`trainbook plan`'s memory arithmetic: bytes per rank for parameters, gradients, optimizer
-states, activations (a per-block formula of this Llama, held against saved-tensor hooks in
+states, activations (a per-block formula of the decoder, held against saved-tensor hooks in
 tests/dist/test_plan.py) and communication buffers, and the verdict against a device's memory.
 `PlanInputs`, what a plan reads of a resolved recipe, lives here: the arithmetic reads it, and
 plan.py builds on this module."""
@@ -69,37 +69,45 @@ def residual_bytes(cfg: PlanInputs, dims: ParallelDims) -> int:
 
 
 def activation_terms(cfg: PlanInputs, samples: int, tp: int, r: int = 4) -> dict[str, int]:
-    """Bytes saved for backward by one micro-batch of `samples` sequences, per part (this Llama).
+    """Bytes saved for backward by one micro-batch of `samples` sequences, per part (the decoder
+    with its family's options; q/k/v biases add nothing: a projection's output is saved or not
+    whatever its bias).
 
-    Per block, S = samples x seq_len tokens, D dim, Dkv kv dim, F ffn_dim, H heads, c compute bytes
-    (4 fp32, 2 bf16), r the residual stream's bytes (`residual_bytes`); sequence parallel divides
-    the residual stream by tp, tensor parallel the heads and hidden units:
+    Per block, S = samples x seq_len tokens, D dim, Q = H x head_dim the query width and K =
+    Hkv x head_dim the key (and value) width (not D and D Hkv / H: Qwen3's head_dim is its own),
+    F ffn_dim, H heads, Hkv kv heads, c compute bytes (4 fp32, 2 bf16), r the residual stream's
+    bytes (`residual_bytes`); sequence parallel divides the residual stream by tp, tensor
+    parallel the heads and hidden units:
       each of the two norms, sequence-sharded (/ tp): its input in fp32 (the residual itself, or
         an fp32 copy when r = 2), 1/rms, normalised x in r bytes     2 (4 S D + 4 S + r S D)
       projection inputs, gathered: the norms' outputs, 2 S D c; but autocast over fp32 weights
         casts a bf16 copy per projection (wq, wk, wv; w1, w3)          5 S D 2
-      attention (/ tp): rotated q, k, v; output; logsumexp (fp32)      (2 D + 2 Dkv) S c + 4 S H
+      attention (/ tp): rotated q, k, v; output; logsumexp (fp32)      (2 Q + 2 K) S c + 4 S H
+      q/k norms (qk_norm, / tp: on the heads), over wq / wk outputs
+        in c bytes: the fp32 input, 1/rms per head, normalised         (4 + c)(Q + K) S + 4 S (H + Hkv)
       SwiGLU (/ tp): w1 out, w3 out, silu(w1 out), their product       4 S F c
     `full` checkpointing keeps each block's input only (S D r / tp); `selective` keeps the input
     and the outputs of the matmuls and attention (q, k, v, attention out + logsumexp, w1, w3 / tp;
-    wo and w2 whole, before their reduce-scatter). The RoPE tables are the model's fp32 buffers,
-    passed to every block as they are (FSDP does not cast block inputs: `apply_fsdp`): nothing per
-    block. Outside the blocks: the token ids (first stage); on the last stage the final norm, its
-    gathered output, the fp32 log-probabilities of the loss (S x vocab) and the targets. A
-    pipeline stage also holds its output until the micro-batch's backward: the residual stream,
-    or on the last stage the logits (S x vocab, compute dtype). tests/dist/test_plan.py holds this
-    against saved-tensor hooks on real ranks (fp32 and bf16, FSDP, TP and every pipeline
-    schedule, with and without checkpointing).
+    wo and w2 whole, before their reduce-scatter) and recomputes the q/k norms. The RoPE tables
+    are the model's fp32 buffers, passed to every block as they are (FSDP does not cast block
+    inputs: `apply_fsdp`): nothing per block. Outside the blocks: the token ids (first stage); on
+    the last stage the final norm, its gathered output, the fp32 log-probabilities of the loss
+    (S x vocab) and the targets. A pipeline stage also holds its output until the micro-batch's
+    backward: the residual stream, or on the last stage the logits (S x vocab, compute dtype).
+    tests/dist/test_plan.py holds this against saved-tensor hooks on real ranks (fp32 and bf16,
+    FSDP, TP and every pipeline schedule, with and without checkpointing; a Qwen3-shaped model:
+    q/k norms, Q != D, GQA, under TP in fp32 and bf16).
     """
     m, T = cfg.model, cfg.train.seq_len
     c = compute_bytes(cfg)
     S, D, F, H = samples * T, m.dim, m.ffn_dim, m.n_heads
-    kv = m.n_kv_heads * (m.dim // m.n_heads)
+    Q, K = m.n_heads * m.head_dim, m.n_kv_heads * m.head_dim
     norm = (4 * S * D + 4 * S + r * S * D) // tp  # one norm, sequence-sharded
+    qk_norms = (4 + c) * (Q + K) * S + 4 * S * (H + m.n_kv_heads) if m.qk_norm else 0
     inputs = 5 * S * D * 2 if c == 2 and r == 4 else 2 * S * D * c
-    none = 2 * norm + inputs + ((2 * D + 2 * kv + 4 * F) * S * c + 4 * S * H) // tp
+    none = 2 * norm + inputs + ((2 * Q + 2 * K + 4 * F) * S * c + 4 * S * H + qk_norms) // tp
     full = S * D * r // tp
-    selective = full + ((2 * D + 2 * kv + 2 * F) * S * c + 4 * S * H) // tp + 2 * S * D * c
+    selective = full + ((2 * Q + 2 * K + 2 * F) * S * c + 4 * S * H) // tp + 2 * S * D * c
     return {
         "block_none": none, "block_full": full, "block_selective": selective,
         "embedding": 8 * S,  # the token ids (int64)

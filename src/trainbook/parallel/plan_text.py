@@ -11,11 +11,12 @@ def render(plan: dict) -> str:
     """The plan for people: mesh, stages, placements, batch, gradient path, memory, verdict."""
     m, mesh, b = plan["model"], plan["mesh"], plan["batch"]
     sizes = mesh["sizes"]
+    options = "".join(f", {text}" for key, text in (("qkv_bias", "q/k/v biases"), ("qk_norm", "q/k norms"),
+                                                    ("tie_embeddings", "tied embeddings")) if m[key])
     lines = [f"plan: {plan['recipe'] or 'recipe'} on {plan['world_size']} rank(s)",
-             f"model {m['name']}: {m['params']:,} parameters ({m['n_layers']} layers, dim {m['dim']}, "
-             f"{m['n_heads']} heads / {m['n_kv_heads']} kv heads, ffn {m['ffn_dim']}, vocab {m['vocab_size']}"
-             f"{', tied embeddings' if m['tie_embeddings'] else ''}); weights fp32, compute "
-             f"{plan['precision']['compute']}", ""]
+             f"model {m['name']}: {m['params']:,} parameters ({m['family']}, {m['n_layers']} layers, dim {m['dim']}, "
+             f"{m['n_heads']} heads / {m['n_kv_heads']} kv heads of {m['head_dim']}, ffn {m['ffn_dim']}, "
+             f"vocab {m['vocab_size']}{options}); weights fp32, compute {plan['precision']['compute']}", ""]
 
     layout = " x ".join(f"{k} {v}" for k, v in sizes.items())
     lines += [f"Mesh: {layout} (rank = row-major over pp, dp_replicate, dp_shard, tp; tp innermost)"]

@@ -20,6 +20,7 @@ from trainbook.errors import TrainbookError
 from trainbook.model import build_model, names, num_params, resolve
 from trainbook.model.llama import RMSNorm
 from trainbook.parallel.apply import tp_plan
+from trainbook.parallel.plan_memory import numel
 from trainbook.parallel.pipeline import cut_stage, model_stage_layers
 from trainbook.parallel.plan_text import render
 from trainbook.commands.plan import plan_command
@@ -40,15 +41,19 @@ def plan_json(world_size: int, overrides: list[str], memory: str | None = None) 
 
 @pytest.mark.parametrize("name", names())
 def test_every_tp_plan_key_is_a_module_and_every_weight_has_a_plan(name):
-    model = build_model(resolve(ModelConfig(name=name)), "meta", seed=0)
+    cfg = resolve(ModelConfig(name=name))
+    model = build_model(cfg, "meta", seed=0)
     plan = tp_plan(model)
-    # Nothing filtered away on the whole model: 3 root entries + 11 per block, all real modules.
-    assert len(plan) == 3 + 11 * len(model.layers)
+    # Nothing filtered away on the whole model: 3 root entries + 11 per block (13 with q/k
+    # norms), all real modules.
+    assert len(plan) == 3 + (13 if cfg.qk_norm else 11) * len(model.layers)
     for path in plan:
         assert model.get_submodule(path) is not None, path
-    # ...and every matrix and norm of the model is covered by one.
+    # ...and every matrix and norm of the model is covered by one, so every parameter (a
+    # projection's bias too) is placed by its module's style.
     weights = {n for n, m in model.named_modules() if isinstance(m, (nn.Linear, nn.Embedding, RMSNorm))}
     assert weights <= set(plan), weights - set(plan)
+    assert {n.rsplit(".", 1)[0] for n, _ in model.named_parameters()} <= set(plan)
 
 
 def test_tp_plan_of_a_pipeline_stage_names_only_its_own_modules():
@@ -107,6 +112,26 @@ def test_placements_fsdp_times_tp():
     assert wo["placements"] == {"dp_shard": "Shard(0)", "tp": "Shard(1)"} and wo["local_shape"] == [96, 96]
     assert norm["placements"] == {"dp_shard": "Shard(0)", "tp": "Replicate"} and norm["local_shape"] == [96]
     assert "output.weight" not in params  # tied: one tensor
+
+
+def test_placements_of_the_family_options_fsdp_times_tp():
+    """q/k/v biases split with their projections' rows; q/k norms (one gain of head_dim = 32
+    shared by all heads) whole on every tp rank, FSDP sharding them like the block norms."""
+    params = {p["name"]: p for p in plan_json(4, TINY + ["model.name=qwen3-tiny", "model.qkv_bias=true",
+                                                         "parallel.dp_shard=2", "parallel.tp=2"])["params"]}
+    for proj, rows in (("wq", 256), ("wk", 64), ("wv", 64)):
+        bias = params[f"layers.0.attention.{proj}.bias"]
+        assert bias["shape"] == [rows] and bias["local_shape"] == [rows // 4], proj
+        assert bias["placements"] == {"dp_shard": "StridedShard(0)", "tp": "Shard(0)"}, proj
+    for norm in ("q_norm", "k_norm"):
+        gain = params[f"layers.0.attention.{norm}.weight"]
+        assert gain["shape"] == [32] and gain["local_shape"] == [16], norm
+        assert gain["placements"] == {"dp_shard": "Shard(0)", "tp": "Replicate"}, norm
+    # With tp alone, each tp rank holds the whole gain and half of each bias.
+    params = {p["name"]: p for p in plan_json(2, TINY + ["model.name=qwen3-tiny", "model.qkv_bias=true",
+                                                         "parallel.dp_shard=1", "parallel.tp=2"])["params"]}
+    assert params["layers.0.attention.q_norm.weight"]["local_shape"] == [32]
+    assert params["layers.0.attention.wk.bias"]["local_shape"] == [32]
 
 
 def test_pipeline_stages_and_who_holds_them():
@@ -220,3 +245,32 @@ def test_text_and_json_say_the_same(llama8b, key):
     assert re.search(r"layers\.\*\.attention\.wq\.weight \(x32\)\s+4096 x 4096", text)
     assert ("reduce-scatter each block's gradient" in text) == (world_size > 1)
     assert ("  tp " in text) == (world_size == 4)  # the tp rows of the mesh and of the gradient path
+
+
+# ---- Qwen on 8 ranks: the published parameter counts ---------------------------------------------
+
+QWEN_8_RANKS = {
+    # Qwen3-8B: 32 heads / 8 kv heads, so tp 8 holds one kv head per rank; q/k norms replicated.
+    "qwen3-8b": (["model.vocab_size=151936", "parallel.dp_shard=1", "parallel.tp=8"], 8_190_735_360),
+    # Qwen2.5-7B: 28 heads / 4 kv heads (tp 8 does not divide them): FSDP over 8; q/k/v biases.
+    "qwen2.5-7b": (["model.vocab_size=152064", "parallel.dp_shard=8"], 7_615_616_512),
+}
+
+
+@pytest.mark.parametrize("name", QWEN_8_RANKS)
+def test_qwen_plans_on_8_ranks_count_the_published_parameters(name):
+    """The exact counts of the models' safetensors (Qwen/Qwen3-8B, Qwen/Qwen2.5-7B on Hugging
+    Face), on the meta device: every rank's shards add up to them, each tensor once."""
+    overrides, published = QWEN_8_RANKS[name]
+    args = [f"model.name={name}", "train.seq_len=4096", "train.micro_batch_size=1",
+            "train.global_batch_tokens=32768", *overrides]
+    plan = plan_json(8, args, "80GiB")
+    assert plan["model"]["params"] == published
+    assert render(plan).splitlines()[1].startswith(f"model {name}: {published:,} parameters (")  # as printed
+    # Each tensor once in the placements; a rank holds an eighth of the split ones (FSDP: every
+    # tensor, padded dim-0 chunks; tp: all but the norm gains, whole on every rank), fp32.
+    params = plan["params"]
+    assert sum(numel(p["shape"]) for p in params) == published
+    whole = sum(numel(p["shape"]) for p in params if p["placements"].get("tp") == "Replicate")
+    held = plan["memory"]["per_rank"][0]["params"]
+    assert abs(held - 4 * ((published - whole) / 8 + whole)) < 1 << 20, held
