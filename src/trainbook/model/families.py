@@ -43,6 +43,10 @@ class Family:
     """transformers' default for a config.json that leaves `num_key_value_heads` out (Qwen2Config,
     Qwen3Config: 32, whatever the query heads); None: num_attention_heads, as LlamaConfig does.
     An explicit null is num_attention_heads in every family."""
+    reads: frozenset[str] = frozenset()
+    """The config.json switches the class reads that the decoder cannot follow when on:
+    `attention_bias` (biases on all four projections), `mlp_bias`, `use_sliding_window`. Import
+    refuses them on; export writes them off."""
 
     def defaults(self, dim: int, n_heads: int) -> dict:
         """The option fields a config that does not set them gets."""
@@ -54,13 +58,14 @@ FAMILIES: dict[str, Family] = {
     f.name: f
     for f in (
         Family("llama", "LlamaForCausalLM", "llama", qkv_bias=False, qk_norm=False, head_dim=None,
-               max_position_embeddings=2048,
+               max_position_embeddings=2048, reads=frozenset({"attention_bias", "mlp_bias"}),
                source="transformers/models/llama/modeling_llama.py"),
         Family("qwen2", "Qwen2ForCausalLM", "qwen2", qkv_bias=True, qk_norm=False, head_dim=None,
-               max_position_embeddings=32768, num_key_value_heads=32,
+               max_position_embeddings=32768, num_key_value_heads=32, reads=frozenset({"use_sliding_window"}),
                source="transformers/models/qwen2/modeling_qwen2.py (Qwen2 and Qwen2.5)"),
         Family("qwen3", "Qwen3ForCausalLM", "qwen3", qkv_bias=False, qk_norm=True, head_dim=128,
                max_position_embeddings=32768, num_key_value_heads=32,
+               reads=frozenset({"attention_bias", "use_sliding_window"}),
                source="transformers/models/qwen3/modeling_qwen3.py"),
     )
 }
@@ -115,11 +120,11 @@ def unsupported(fam: Family, config: dict) -> list[str]:
     scaling = rope_scaling(config)
     if scaling is not None:
         problems.append(f"RoPE scaling '{scaling}' (trainbook's RoPE is unscaled)")
-    # Read by LlamaConfig and Qwen3Config; Qwen2 hard-wires its biases, and neither Qwen has an
-    # MLP bias, so there the keys change nothing.
-    if config.get("attention_bias") and fam.name != "qwen2":
+    # Only the keys the family's class reads: Qwen2 hard-wires its biases, and neither Qwen has an
+    # MLP bias, so there those keys change nothing.
+    if config.get("attention_bias") and "attention_bias" in fam.reads:
         problems.append("attention_bias=true (a bias on o_proj too; trainbook biases q/k/v only)")
-    if config.get("mlp_bias") and fam.name == "llama":
+    if config.get("mlp_bias") and "mlp_bias" in fam.reads:
         problems.append("mlp_bias=true (trainbook's SwiGLU has no biases)")
     if config.get("use_sliding_window"):
         problems.append("use_sliding_window=true (trainbook's attention is full causal; the released "
@@ -166,10 +171,7 @@ def hf_fields(fam: Family, cfg) -> dict:
             where="model.family",
         )
     out = {"architectures": [fam.architecture], "model_type": fam.model_type, "head_dim": cfg.head_dim}
-    if fam.name == "llama":
-        out |= {"attention_bias": False, "mlp_bias": False}
-    if fam.name == "qwen3":
-        out |= {"attention_bias": False}
-    if fam.name in ("qwen2", "qwen3"):
-        out |= {"use_sliding_window": False, "sliding_window": None, "max_window_layers": cfg.n_layers}
+    out |= {key: False for key in sorted(fam.reads)}
+    if "use_sliding_window" in fam.reads:
+        out |= {"sliding_window": None, "max_window_layers": cfg.n_layers}
     return out
