@@ -13,7 +13,7 @@ from trainbook.commands.resolve import resolve
 from trainbook.diagnose.memory import held_bytes, out_of_memory_error, requested_bytes
 from trainbook.diagnose.oom import candidates, judge, verdict
 from trainbook.diagnose.phase_memory import retained_by_phase
-from trainbook.model import build_model
+from trainbook.model import build_model, count
 from trainbook.parallel.plan import memory_estimates
 from trainbook.runs import RunPaths
 
@@ -31,14 +31,17 @@ def test_the_cpu_allocators_failure_is_recognised_with_its_size():
     assert out_of_memory_error(ValueError("shape mismatch")) is None
 
 
-def test_held_bytes_counts_parameters_gradients_and_adam_states(tmp_path, corpus):
-    res = resolve(write_recipe(tmp_path / "unit.toml", corpus), [], 1)
+@pytest.mark.parametrize("overrides", [[], ["model.name=qwen3-tiny", "model.qkv_bias=true"]],
+                         ids=["llama", "qwen3-with-biases"])  # q/k norms and biases: tensors of their own
+def test_held_bytes_counts_parameters_gradients_and_adam_states(tmp_path, corpus, overrides):
+    res = resolve(write_recipe(tmp_path / "unit.toml", corpus), overrides, 1)
     model = build_model(res.cfg.model, "cpu", seed=0)
     optimizer = torch.optim.AdamW(model.parameters())
     model(torch.zeros(2, 8, dtype=torch.long)).float().mean().backward()
     optimizer.step()
     n = sum(p.numel() for p in model.parameters())
     tensors = len(list(model.parameters()))
+    assert n == count(res.cfg.model).total
     held = held_bytes(model, optimizer)
     # fp32 weights and gradients; AdamW: exp_avg, exp_avg_sq and a float32 step per tensor
     assert held == {"parameters": 4 * n, "gradients": 4 * n, "optimizer": 8 * n + 4 * tensors, "fsdp_gathered": 0}
