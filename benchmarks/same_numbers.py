@@ -12,8 +12,8 @@ one venv), over one prepared copy of the embedded default's data, and compares w
 Each run's fingerprint: every train record's (step, loss, grad_norm), every eval's val_loss,
 and the sha256 of every file of the final checkpoint: the tensor files as written, DCP's
 `.metadata` less its `storage_meta` (the folder it was written to and a random save id) with its
-tables in key order, the manifest (less its `time`) and the ranks' file lists less that file's
-CRC. The script prints one line per run and exits 1
+tables in key order, the manifest (less its `time`, its model table as built:
+`families.with_options`) and the ranks' file lists less that file's CRC. The script prints one line per run and exits 1
 when any fingerprint differs.
 
     .venv/bin/python benchmarks/same_numbers.py --before /tmp/old-tree [--after .] [--keep DIR]
@@ -34,6 +34,7 @@ import tempfile
 from pathlib import Path
 
 from trainbook.checkpoint.metadata import read_metadata
+from trainbook.model.families import with_options
 
 STEPS = ("train.eval_every=10", "log.every_steps=1")
 RUNS = {
@@ -68,6 +69,8 @@ def fingerprint(run_dir: Path) -> dict:
         elif path.suffix == ".json":  # the manifest less its time; it and each rank's file list less .metadata's CRC
             record = json.loads(data)
             record.pop("time", None)
+            if isinstance(record.get("config", {}).get("model"), dict):  # as built (a config from before
+                record["config"]["model"] = with_options(record["config"]["model"])  # the family options)
             record.get("files", record).pop(".metadata", None)
             data = json.dumps(record, sort_keys=True).encode()
         files[str(path.relative_to(ckpt))] = hashlib.sha256(data).hexdigest()
