@@ -13,7 +13,8 @@ Each run's fingerprint: every train record's (step, loss, grad_norm), every eval
 and the sha256 of every file of the final checkpoint: the tensor files as written, DCP's
 `.metadata` less its `storage_meta` (the folder it was written to and a random save id) with its
 tables in key order, the manifest (less its `time`, its model table as built:
-`families.with_options`) and the ranks' file lists less that file's CRC. The script prints one line per run and exits 1
+`families.with_options`, and so less `config_sha256`, the hash of the config's text) and the
+ranks' file lists less that file's CRC. The script prints one line per run and exits 1
 when any fingerprint differs.
 
     .venv/bin/python benchmarks/same_numbers.py --before /tmp/old-tree [--after .] [--keep DIR]
@@ -71,6 +72,7 @@ def fingerprint(run_dir: Path) -> dict:
             record.pop("time", None)
             if isinstance(record.get("config", {}).get("model"), dict):  # as built (a config from before
                 record["config"]["model"] = with_options(record["config"]["model"])  # the family options)
+                record.pop("config_sha256", None)  # the hash of the config's text, which is compared itself
             record.get("files", record).pop(".metadata", None)
             data = json.dumps(record, sort_keys=True).encode()
         files[str(path.relative_to(ckpt))] = hashlib.sha256(data).hexdigest()
