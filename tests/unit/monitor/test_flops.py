@@ -5,11 +5,11 @@ from __future__ import annotations
 import pytest
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import FlopCounterMode
 
 from trainbook.config import ModelConfig
-from trainbook.model import build_model, resolve
-from trainbook.model import flops_per_token
+from trainbook.model import build_model, flops_per_token, resolve
 from trainbook.monitor.flops import TFLOPS, measure_matmul_peak, mfu, published_peak
 from trainbook.train.engine import lm_loss
 
@@ -60,22 +60,23 @@ def test_cpu_probe_measures_a_peak_that_bounds_mfu():
     assert mfu(peak.flops * 4 / 1e6, 1e6, peak, 4) == pytest.approx(1.0)
 
 
+class CountMatmuls(TorchDispatchMode):
+    """Counts the aten.mm calls made while it is entered (the probe's matmuls)."""
+
+    def __init__(self):
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.count += func is torch.ops.aten.mm.default
+        return func(*args, **(kwargs or {}))
+
+
 def test_a_slow_dtype_gets_a_probe_within_its_budget():
     """The probe's matmuls, counted: the full 5 x 8 chain (and the warm-up) when the budget allows
     it, a single timing of a single matmul when one already takes longer than the budget (as an
     fp16 product does on a CPU with no fp16 path: ~2 s each, 90 s for the full probe)."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-
     from trainbook.monitor.flops import matmul_flops
-
-    class CountMatmuls(TorchDispatchMode):
-        def __init__(self):
-            super().__init__()
-            self.count = 0
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            self.count += func is torch.ops.aten.mm.default
-            return func(*args, **(kwargs or {}))
 
     for budget, expected in ((float("inf"), 1 + 5 * 8), (0.0, 1 + 1)):
         with CountMatmuls() as counter:
@@ -90,23 +91,12 @@ def test_the_cpu_peak_is_measured_once_per_host_and_day(tmp_path, monkeypatch):
     import os
     import time
 
-    from torch.utils._python_dispatch import TorchDispatchMode
-
     from trainbook.monitor.flops import HOST_CACHE_ENV, HOST_PEAK_MAX_AGE_S, device_peak, host_peak_file
 
-    class Matmuls(TorchDispatchMode):
-        def __init__(self):
-            super().__init__()
-            self.n = 0
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            self.n += func is torch.ops.aten.mm.default
-            return func(*args, **(kwargs or {}))
-
     def peak_of_a_run(run: str):
-        with Matmuls() as counted:
+        with CountMatmuls() as counted:
             peak, note = device_peak(torch.device("cpu"), "fp32", cache=tmp_path / run / "peak.json")
-        return peak, note, counted.n
+        return peak, note, counted.count
 
     monkeypatch.setenv(HOST_CACHE_ENV, str(tmp_path / "host"))
     first, note, measured = peak_of_a_run("a")
