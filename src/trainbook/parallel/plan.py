@@ -89,6 +89,7 @@ def _simulate_rank(cfg: PlanInputs, dims: ParallelDims, rank: int) -> dict:
     trainer's `parallelize` leaves on it (of its pipeline stages, or of the whole model), built on
     the meta device."""
     import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
 
     from trainbook.parallel.apply import ApplyOptions, parallelize
     from trainbook.parallel.pipeline import StageGroup, rank_stages
@@ -100,17 +101,11 @@ def _simulate_rank(cfg: PlanInputs, dims: ParallelDims, rank: int) -> dict:
     fsdp = run_dims.dp > 1
     opts = ApplyOptions(cfg.train.activation_checkpoint, cfg.train.compile is True, cfg.parallel.data_parallel,
                         fsdp_policy(cfg.dtype))
-    # One rank holds the model as built: no process group or mesh to fake (importing and starting
-    # the fake one is most of a second of every one-process run's start).
-    alone = dims.world_size == 1
-    if not alone:
-        from torch.testing._internal.distributed.fake_pg import FakeStore
-
-        dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=dims.world_size)
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=dims.world_size)
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            mesh = None if alone else dims.build_mesh("cpu")
+            mesh = dims.build_mesh("cpu")
             model = build_model(cfg.model, "meta", seed=0)
             pp_rank = dims.coordinate(rank)["pp"]
             if dims.pp > 1:
@@ -127,8 +122,7 @@ def _simulate_rank(cfg: PlanInputs, dims: ParallelDims, rank: int) -> dict:
                     and not (head is not None and head.weight is p)
                     and not (dims.pp > 1 and cfg.model.tie_embeddings)))
     finally:
-        if not alone:
-            dist.destroy_process_group()
+        dist.destroy_process_group()
     return {"pp": pp_rank, "params": params}
 
 
