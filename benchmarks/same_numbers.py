@@ -35,7 +35,7 @@ import tempfile
 from pathlib import Path
 
 from trainbook.checkpoint.metadata import read_metadata
-from trainbook.model.families import with_options
+from trainbook.model.families import config_as_built
 
 STEPS = ("train.eval_every=10", "log.every_steps=1")
 RUNS = {
@@ -70,9 +70,9 @@ def fingerprint(run_dir: Path) -> dict:
         elif path.suffix == ".json":  # the manifest less its time; it and each rank's file list less .metadata's CRC
             record = json.loads(data)
             record.pop("time", None)
-            if isinstance(record.get("config", {}).get("model"), dict):  # as built (a config from before
-                record["config"]["model"] = with_options(record["config"]["model"])  # the family options)
-                record.pop("config_sha256", None)  # the hash of the config's text, which is compared itself
+            if "config" in record:  # as built (a config from before the family options), and so less
+                record["config"] = config_as_built(record["config"])  # the hash of the config's text
+                record.pop("config_sha256", None)
             record.get("files", record).pop(".metadata", None)
             data = json.dumps(record, sort_keys=True).encode()
         files[str(path.relative_to(ckpt))] = hashlib.sha256(data).hexdigest()

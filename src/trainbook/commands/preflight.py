@@ -21,7 +21,7 @@ from trainbook.config.load import COMMAND_LINE
 from trainbook.data import Prepared, check_train_split, check_val_split, prepare
 from trainbook.diagnose.preflight import disk_row, version_rows
 from trainbook.errors import TrainbookError
-from trainbook.model.families import with_options
+from trainbook.model.families import config_as_built, with_options
 from trainbook.model import build_model, num_params
 from trainbook.monitor.external import check_sinks
 from trainbook.commands.elastic import is_restart
@@ -168,7 +168,5 @@ def check_compatible(manifest: dict, cfg: Config, where: str) -> None:
 
 def config_changes(saved: dict, cfg: Config) -> dict[str, tuple]:
     """Flat `section.key` -> (checkpoint's value, this run's value) for every value that differs."""
-    if isinstance(saved.get("model"), dict):  # a checkpoint from before the family options: as it was built
-        saved = {**saved, "model": with_options(saved["model"])}
-    old, new = dotted_keys(saved), dotted_keys(redact_tree(cfg.model_dump(mode="json")))  # as manifests hold it
+    old, new = dotted_keys(config_as_built(saved)), dotted_keys(redact_tree(cfg.model_dump(mode="json")))  # as manifests hold it
     return {k: (old.get(k), new.get(k)) for k in sorted(old.keys() | new.keys()) if old.get(k) != new.get(k)}

@@ -15,7 +15,7 @@ from pathlib import Path
 from trainbook.commands.recipe import baseline_path, default_recipe, recipe_and_overrides, run_in_subprocess
 from trainbook.config import dotted_keys, load_config
 from trainbook.errors import TrainbookError
-from trainbook.model.families import with_options
+from trainbook.model.families import config_as_built
 from trainbook.monitor.archive import RunRecord, is_run_dir, load_run
 from trainbook.monitor.baseline import (
     PointCheck, check_baseline, environment, environment_differences, fmt, judge, speed_line,
@@ -115,9 +115,7 @@ def judged_text(head: list[str], run: RunRecord, baseline: dict, steps: int | No
 
 def config_differences(run: RunRecord, baseline_config: dict) -> list[str]:
     """`key value (baseline value)` for each key that can change the numbers."""
-    if isinstance(baseline_config.get("model"), dict):  # a baseline from before the family options
-        baseline_config = {**baseline_config, "model": with_options(baseline_config["model"])}
-    here, there = dotted_keys(run.config), dotted_keys(baseline_config)
+    here, there = dotted_keys(run.config), dotted_keys(config_as_built(baseline_config))
     out = []
     for key in sorted(set(here) | set(there)):
         if key.startswith(NUMERICALLY_INERT) or here.get(key) == there.get(key):

@@ -92,6 +92,12 @@ def with_options(model: dict) -> dict:
     return {**model, **{k: v for k, v in filled.items() if model.get(k) is None}}
 
 
+def config_as_built(config: dict) -> dict:
+    """A saved config tree (run, manifest, baseline) with its `[model]` table as built (`with_options`)."""
+    model = config.get("model")
+    return {**config, "model": with_options(model)} if isinstance(model, dict) else config
+
+
 def of_hf_config(config: dict, where: str) -> Family:
     """The family whose Hugging Face architecture `config` (a parsed config.json) names, or a
     one-line error naming the architecture and the ones trainbook imports."""

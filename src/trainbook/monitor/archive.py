@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from trainbook.errors import TrainbookError
-from trainbook.model.families import with_options
+from trainbook.model.families import config_as_built
 from trainbook.runs import RunPaths
 
 
@@ -120,8 +120,7 @@ def load_run(path: str | Path, *, need_metrics: bool = True) -> RunRecord:
         config = tomllib.loads(paths.config.read_text(encoding="utf-8"))
     except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
         raise TrainbookError(f"not valid TOML: {e}", where=str(paths.config)) from None
-    if isinstance(config.get("model"), dict):  # a run from before the family options: as it was built
-        config["model"] = with_options(config["model"])
+    config = config_as_built(config)  # a run from before the family options: as it was built
     # `auto` as the run settled it (parallel/compile.py keeps the choice in workers/compile.json).
     settled = _read_json(paths.workers / "compile.json")
     if "compile" in settled and "loss" in settled:
