@@ -20,11 +20,11 @@ import transformers
 from safetensors.torch import load_file
 
 from tests.conftest import qwen_tokenizer_files
+from tests.unit.model.test_hf_import import one_line_error
 from trainbook.checkpoint import Checkpointer
 from trainbook.commands.export import export
 from trainbook.config import Config, ModelConfig, TokenizerConfig, dump_toml
 from trainbook.data.tokenizer import build_tokenizer, hf_tokenizer_config
-from trainbook.errors import TrainbookError
 from trainbook.model import build_model
 from trainbook.model.hf_import import load_hf_weights, model_config_from_hf
 
@@ -72,14 +72,6 @@ def tokens() -> torch.Tensor:
 def logits(model, x: torch.Tensor) -> torch.Tensor:
     out = model(x)
     return out if isinstance(out, torch.Tensor) else out.logits
-
-
-def one_line_error(fn, *args, match: str, where: str | Path) -> TrainbookError:
-    with pytest.raises(TrainbookError, match=match) as err:
-        fn(*args)
-    assert "\n" not in str(err.value)
-    assert err.value.where == str(where)
-    return err.value
 
 
 # ---- parity --------------------------------------------------------------------------------------
