@@ -6,7 +6,6 @@ import os
 import re
 import subprocess
 import sys
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -14,10 +13,6 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 RECIPES = REPO / "recipes"
-
-# The suite's own host cache (trainbook.monitor.flops: the CPU peak measured once per host and
-# day): shared by every run of the suite, and never a record an earlier session left behind.
-os.environ.setdefault("TRAINBOOK_CACHE_DIR", tempfile.mkdtemp(prefix="trainbook-suite-cache-"))
 
 CHILD_TIMEOUT_S = 600
 """The longest any one child process of a test may run (tests/unit/test_timeouts.py: the rule)."""

@@ -7,16 +7,14 @@ read off the model built on the meta device). Recomputation under activation che
 counted: MFU measures useful work, so turning checkpointing on lowers it.
 
 The peak of one device comes from its maker's datasheet (dense, no sparsity), chosen by the run's
-dtype; on CPU there is no datasheet figure to trust, so the peak is measured by a matmul probe
-in the run's dtype, once per host a day (`device_peak`). A device not in the table gives no peak
-(MFU `null`, one warning): a borrowed number would be worse than none.
+dtype; on CPU there is no datasheet figure to trust, so the peak is measured once by a matmul
+probe in the run's dtype. A device not in the table gives no peak (MFU `null`, one warning): a
+borrowed number would be worse than none.
 """
 
 from __future__ import annotations
 
 import json
-import os
-import socket
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -148,67 +146,25 @@ def device_name(device: torch.device) -> str:
     return "cpu"
 
 
-HOST_CACHE_ENV = "TRAINBOOK_CACHE_DIR"
-"""Where trainbook keeps what it measured of this machine; unset: $XDG_CACHE_HOME/trainbook, else
-~/.cache/trainbook."""
-HOST_PEAK_MAX_AGE_S = 24 * 3600
-"""A CPU peak measured on this host is reused for a day, then measured again."""
-
-
-def host_cache_dir() -> Path:
-    """The folder of this machine's measurements (`HOST_CACHE_ENV`)."""
-    if os.environ.get(HOST_CACHE_ENV):
-        return Path(os.environ[HOST_CACHE_ENV])
-    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
-    return Path(base) / "trainbook"
-
-
-def host_peak_file(dtype: str) -> Path:
-    """The host's record of its CPU peak in `dtype` with this process's threads and torch build
-    (oneDNN's kernels, and so the peak, change with either)."""
-    name = f"cpu-peak-{socket.gethostname()}-{torch.get_num_threads()}t-{dtype}-torch{torch.__version__}.json"
-    return host_cache_dir() / name.replace("/", "_")
-
-
 def device_peak(device: torch.device, dtype: str, cache: Path | None = None) -> tuple[Peak | None, str]:
     """The peak MFU is measured against, and a note: what it is, or why there is none.
 
-    On CPU the peak is measured (`measure_matmul_peak`, about a second) once per host, thread
-    count, dtype and torch build, and kept for a day in `host_peak_file`, so the runs of a day on
-    one machine share one measurement (and the `train.compile = auto` choice that reads it) instead
-    of each measuring its own under whatever load it starts in. `cache`: a file where the run keeps
-    the peak it used, so an elastic restart of the run uses the same one."""
+    `cache`: a file where a CPU peak measured by an earlier attempt of the run on this host is
+    kept: an elastic restart reuses it instead of measuring again (half a second of start-up)."""
     if device.type == "cpu":
-        host = host_peak_file(dtype)
         peak = _cached_peak(cache, dtype) if cache is not None else None
-        kept = None  # the host's record, when this run takes it
-        if peak is None and _fresh(host):
-            peak = kept = _cached_peak(host, dtype)
         if peak is None:
             peak = measure_matmul_peak(device, dtype)
-            try:
-                host.parent.mkdir(parents=True, exist_ok=True)
-                atomic_write_json(host, asdict(peak))
-            except OSError:
-                pass  # an unwritable cache folder: the next run measures again
-        if cache is not None:
-            cache.parent.mkdir(parents=True, exist_ok=True)
-            atomic_write_json(cache, asdict(peak))
-        where = f"; kept for this host in {host}" if kept is not None else ""
-        return peak, f"MFU peak: {peak.flops / TFLOPS:.3g} TFLOP/s per rank ({peak.source}{where})"
+            if cache is not None:
+                cache.parent.mkdir(parents=True, exist_ok=True)
+                atomic_write_json(cache, asdict(peak))
+        return peak, f"MFU peak: {peak.flops / TFLOPS:.3g} TFLOP/s per rank ({peak.source})"
     name = device_name(device)
     peak = published_peak(name, dtype)
     if peak is None:
         return None, (f"no published {dtype} peak for device {name!r}: MFU is not computed "
                       "(metrics.jsonl writes null)")
     return peak, f"MFU peak: {peak.flops / TFLOPS:.4g} TFLOP/s per device ({peak.device} {peak.dtype}; {peak.source})"
-
-
-def _fresh(file: Path) -> bool:
-    try:
-        return time.time() - file.stat().st_mtime < HOST_PEAK_MAX_AGE_S
-    except OSError:
-        return False
 
 
 def mfu(tokens_per_s: float, flops_per_token: float, peak: Peak | None, devices: int) -> float | None:

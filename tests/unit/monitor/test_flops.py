@@ -82,33 +82,3 @@ def test_a_slow_dtype_gets_a_probe_within_its_budget():
         with CountMatmuls() as counter:
             assert matmul_flops(torch.device("cpu"), "fp32", n=64, budget_s=budget) > 0
         assert counter.count == expected, (budget, counter.count)
-
-
-def test_the_cpu_peak_is_measured_once_per_host_and_day(tmp_path, monkeypatch):
-    """The probe's matmuls, counted: the first run of the day measures and keeps the peak for the
-    host; the next runs (another run's folder) take it, none measures; a record a day old, or one
-    made with other threads, is measured again."""
-    import os
-    import time
-
-    from trainbook.monitor.flops import HOST_CACHE_ENV, HOST_PEAK_MAX_AGE_S, device_peak, host_peak_file
-
-    def peak_of_a_run(run: str):
-        with CountMatmuls() as counted:
-            peak, note = device_peak(torch.device("cpu"), "fp32", cache=tmp_path / run / "peak.json")
-        return peak, note, counted.count
-
-    monkeypatch.setenv(HOST_CACHE_ENV, str(tmp_path / "host"))
-    first, note, measured = peak_of_a_run("a")
-    assert measured > 0 and host_peak_file("fp32").is_file() and "kept for this host" not in note
-    second, note, again = peak_of_a_run("b")
-    assert (second, again) == (first, 0) and f"kept for this host in {host_peak_file('fp32')}" in note
-    old = time.time() - HOST_PEAK_MAX_AGE_S - 1
-    os.utime(host_peak_file("fp32"), (old, old))
-    assert peak_of_a_run("c")[2] > 0  # a day old: measured again
-    threads = torch.get_num_threads()
-    try:
-        torch.set_num_threads(1 if threads > 1 else 2)
-        assert not host_peak_file("fp32").is_file() and peak_of_a_run("d")[2] > 0
-    finally:
-        torch.set_num_threads(threads)
