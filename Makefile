@@ -28,8 +28,10 @@ $(STAMP): pyproject.toml Makefile
 run: $(STAMP)
 	$(BIN)/trainbook run
 
+# Two workers: the suite's processes leave a core idle about half the time on their own (rendezvous,
+# start-up, timeouts). Tests sharing a module fixture or a trained run keep to one worker.
 test: $(STAMP)
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q -n 2 --dist loadgroup
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/overhead.py

@@ -305,11 +305,33 @@ def run_cli_on_terminal(*args: str, cwd: Path | None = None, timeout: float = 30
     return proc.wait(), b"".join(chunks).decode("utf-8", "replace")
 
 
+SHARED_RUNS = frozenset({"clean_pair", "slow_data_pair"})
+"""Session fixtures that train: the tests reading them share one pytest-xdist worker, so each is
+trained once a session, not once a worker."""
+
+
+def xdist_group(item) -> str | None:
+    """The pytest-xdist group of `item` (`make test` runs two workers, `--dist loadgroup`): tests
+    reading a shared run are one group; the tests of a module with a module- or class-scoped
+    fixture are one group, so the fixture is made once; any other test goes to whichever worker is
+    free."""
+    if SHARED_RUNS & set(item.fixturenames):
+        return "shared-runs"
+    defs = getattr(item, "_fixtureinfo", None)
+    scopes = {d.scope for fixture in (defs.name2fixturedefs.values() if defs else ()) for d in fixture}
+    return item.module.__name__ if scopes & {"module", "class", "package"} else None
+
+
+@pytest.hookimpl(tryfirst=True)  # before pytest-xdist's own hook reads the groups
 def pytest_collection_modifyitems(config, items) -> None:
     """Every test under tests/e2e and tests/dist starts real processes (the CLI, torchrun) and most
     train: all are `slow`, so `pytest -m "not slow"` is the fast lane (unit tests; those of them
-    that train carry the mark themselves). CI runs everything."""
+    that train carry the mark themselves). CI runs everything. Each test's xdist group: see
+    `xdist_group`."""
     heavy = (REPO / "tests" / "e2e", REPO / "tests" / "dist")
     for item in items:
         if any(Path(item.path).is_relative_to(folder) for folder in heavy):
             item.add_marker(pytest.mark.slow)
+        group = xdist_group(item)
+        if group is not None:
+            item.add_marker(pytest.mark.xdist_group(group))
