@@ -288,7 +288,8 @@ def timing(ev: Evidence) -> list[Finding]:
     steady = _steady(records, ev.run.max_steps)
     shares, total = time_shares(steady)
     span = f"steps {steady[0]['step']}-{steady[-1]['step']}" if len(steady) > 1 else f"step {steady[0]['step']}"
-    breakdown = "; ".join(f"{k} {v:.0%}" for k, v in sorted(shares.items(), key=lambda kv: -kv[1]))
+    # By the share as printed, ties in the phases' own order: 0.04% and 0.02% both print 0%.
+    breakdown = "; ".join(f"{k} {v:.0%}" for k, v in sorted(shares.items(), key=lambda kv: -round(kv[1] * 100)))
     evidence = [f"share of {total:.2f} s over {span} ({len(steady)} records): {breakdown}", *_caveat(ev)]
     problems = [f for f in (straggler(steady), _bound(shares, steady, evidence)) if f is not None and f.problem]
     if problems:
