@@ -119,18 +119,27 @@ def _run_log(run_dir: Path) -> str:
 
 
 def test_an_mlflow_server_that_holds_every_request_stalls_no_step(tmp_path, recipe):
-    release = threading.Event()
+    """The run waits after step 1 (a fault point) until the server holds the sink's first request;
+    then, that request still unanswered, it trains and evaluates to its end."""
+    release, go_on = threading.Event(), tmp_path / "go-on"
     run_dir = tmp_path / "run"
     with MlflowServer(hold=release) as server:
         proc = subprocess.Popen(
             [sys.executable, "-m", "trainbook", "run", str(recipe), "train.max_steps=4", "monitor.tensorboard=false",
              "monitor.mlflow=true", f"monitor.mlflow_tracking_uri={server.uri}", "--run-dir", str(run_dir)],
-            cwd=tmp_path, env={**os.environ, "PYTHONUNBUFFERED": "1"}, stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE, text=True)
+            cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+            env={**os.environ, "PYTHONUNBUFFERED": "1", "TRAINBOOK_FAULT": "train.after_step@1",
+                 "TRAINBOOK_FAULT_ACTION": "wait", "TRAINBOOK_FAULT_RELEASE": str(go_on)})
         try:
-            # Synchronise on the run: its last record (the evaluation at step 4) is written while the
-            # server still holds the first request it got. The deadline only bounds a broken run.
-            metrics, deadline = run_dir / "metrics.jsonl", time.monotonic() + 240
+            # Synchronise on events: the server's first request, then the run's last record (the
+            # evaluation at step 4). The deadlines only bound a broken run.
+            deadline = time.monotonic() + 240
+            while not server.requests:
+                assert proc.poll() is None, proc.stderr.read()
+                assert time.monotonic() < deadline, "the sink never sent its first request"
+                time.sleep(0.2)
+            go_on.touch()
+            metrics = run_dir / "metrics.jsonl"
             while not (metrics.is_file() and '"kind": "eval", "step": 4' in metrics.read_text()):
                 assert proc.poll() is None, proc.stderr.read()
                 assert time.monotonic() < deadline, "the run never reached its last evaluation"
@@ -138,6 +147,7 @@ def test_an_mlflow_server_that_holds_every_request_stalls_no_step(tmp_path, reci
             assert server.requests == ["experiments/get-by-name"]
         finally:
             release.set()  # the server answers now: what the run queued goes out at its close
+            go_on.touch()
             out, err = proc.communicate(timeout=240)
         [run] = server.runs.values()
     assert proc.returncode == 0, err
