@@ -26,6 +26,7 @@ from tests.conftest import prepared_recipe, run_cli
 from trainbook.checkpoint import load_state, read_latest
 from trainbook.config import load_config
 from trainbook.model import build_model, resolve
+from trainbook.parallel.runtime import free_port
 
 pytestmark = pytest.mark.slow
 
@@ -132,12 +133,6 @@ def test_a_stopped_worker_is_found_by_the_watchdog_and_the_run_restarts(recipe, 
     assert [(r["step"], r["loss"]) for r in _train(run_dir)] == [(r["step"], r["loss"]) for r in _train(straight)]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("localhost", 0))
-        return s.getsockname()[1]
-
-
 def _kill_tree(pid: int) -> None:
     """SIGKILL `pid` and every process under it (torchrun starts its workers in sessions of
     their own: a process group does not reach them)."""
@@ -167,7 +162,7 @@ def _listening(port: int) -> bool:
 def test_a_lost_node_shrinks_the_run_and_its_return_grows_it_back(recipe, tmp_path):
     """Two agents on this machine as two nodes (`--nnodes 1:2`): one is killed with its worker
     after step 5; the other goes on alone and holds after step 8 until a new node joins."""
-    run_dir, port = tmp_path / "run", _free_port()
+    run_dir, port = tmp_path / "run", free_port()
     reached_lost, reached_alone = tmp_path / "reached-lost", tmp_path / "reached-alone"
     cmd = [sys.executable, "-m", "trainbook", "run", str(recipe), *STEPS, "--nproc", "1", "--nnodes", "1:2",
            "--rdzv-endpoint", f"localhost:{port}", "--rdzv-id", "shrink", "--max-restarts", "1",

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import prepared_recipe, run_cli
+from trainbook.parallel.runtime import free_port
 
 
 @pytest.fixture(scope="module")
@@ -59,15 +60,9 @@ def test_the_recipes_launch_section_is_the_default_world(recipe, tmp_path):
     assert one.returncode == 0 and json.loads((tmp_path / "one" / "env.json").read_text())["world_size"] == 1
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("localhost", 0))
-        return s.getsockname()[1]
-
-
 def test_two_torchrun_agents_as_two_nodes_train_together(recipe, tmp_path):
     run_dir = tmp_path / "run"
-    port = _free_port()
+    port = free_port()
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1",
            "--rdzv-backend", "c10d", "--rdzv-endpoint", f"localhost:{port}", "--rdzv-id", "two-nodes",
            "-m", "trainbook", "run", str(recipe), "train.max_steps=3", "log.every_steps=1", "--run-dir", str(run_dir)]

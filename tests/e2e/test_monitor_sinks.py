@@ -22,6 +22,7 @@ from tests.conftest import files_under, run_cli, run_cli_error, write_corpus, wr
 from tests.mlflow_server import MlflowServer
 from tests.wandb_log import wandb_history, wandb_records
 from trainbook.monitor.trackers import tracker_run_id
+from trainbook.parallel.runtime import free_port
 
 pytestmark = pytest.mark.slow
 
@@ -230,12 +231,6 @@ def test_wandb_offline_after_a_kill_and_a_resume(tmp_path, recipe):
 
 
 # ---- Prometheus --------------------------------------------------------------------------------
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 def scrape(url: str) -> dict[tuple[str, tuple], float]:
     """(sample name, sorted labels) -> value, parsed by the client library's own parser."""

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -31,7 +30,7 @@ from trainbook.errors import DIAGNOSED, DiagnosedFailure, HangFailure, RepeatedF
 from trainbook.monitor.archive import last_attempt, read_jsonl
 from trainbook.parallel.device import pick_device
 from trainbook.commands.elastic import MONITOR_INTERVAL_S
-from trainbook.parallel.runtime import AGENT_STORE_ENV
+from trainbook.parallel.runtime import AGENT_STORE_ENV, free_port
 from trainbook.runs import RunPaths, new_run_dir_path
 
 # events.jsonl kinds whose `verdict` stopped the run, and the failure each is
@@ -74,9 +73,7 @@ class Elastic:
         `--standalone`, with a port known to the workers' watchdog)."""
         if self.rdzv_endpoint is not None:
             return self.rdzv_endpoint
-        with socket.socket() as s:
-            s.bind(("localhost", 0))
-            return f"localhost:{s.getsockname()[1]}"
+        return f"localhost:{free_port()}"
 
     def torchrun_args(self, run_dir: Path, endpoint: str) -> list[str]:
         lo, hi = self.node_range()

@@ -8,10 +8,13 @@ from __future__ import annotations
 
 import datetime as dt
 import os
+import random
+import socket
 import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, NoReturn, TypeVar
 
 import torch
@@ -25,6 +28,40 @@ GROUP_ENV = "TRAINBOOK_GROUP"  # this process group's name (start_runtime)
 
 # gloo on CPU, NCCL on CUDA, HCCL on Ascend (registered by torch_npu; see parallel/npu.py).
 BACKENDS = {"cpu": "gloo", "cuda": "nccl", "npu": "hccl"}
+
+EPHEMERAL_RANGE = "/proc/sys/net/ipv4/ip_local_port_range"
+LISTEN_PORTS = (20000, 32767)
+"""Where `free_port` looks when the kernel's ephemeral range cannot be read (Linux's default range
+starts at 32768)."""
+
+
+def free_port(host: str = "localhost", tries: int = 64) -> int:
+    """A port free now, from outside the kernel's ephemeral range, for a server another process
+    binds later (the c10d rendezvous endpoint the launcher hands to torchrun).
+
+    The usual "bind port 0, read it, close" hands out an ephemeral port, and the kernel hands the
+    same range to every outgoing connection: in the seconds before the server binds it (a torch
+    import, a rendezvous), one of the machine's connections, gloo's included, may take it
+    (EADDRINUSE). Outside that range only another explicit bind can, and a random pick makes that
+    rare. Falls back to an ephemeral port when no other range is left.
+    """
+    try:
+        low, high = (int(x) for x in Path(EPHEMERAL_RANGE).read_text().split())
+        lo, hi = (10000, low - 1) if low > 11000 else (high + 1, 65535)
+    except (OSError, ValueError):
+        lo, hi = LISTEN_PORTS
+    pick = random.SystemRandom()  # not the global generator a caller may have seeded
+    for port in (pick.randint(lo, hi) for _ in range(tries if hi - lo >= 1000 else 0)):
+        with socket.socket() as s:
+            try:
+                s.bind((host, port))
+            except OSError:
+                continue
+            return port
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
 
 T = TypeVar("T")
 
