@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The accelerator suite: everything trainbook should measure on a GPU, in one call.
 #
-#   benchmarks/accelerator.sh [--dry-run] [--wheels DIR] [--steps N]
+#   benchmarks/accelerator.sh [--dry-run] [--wheels DIR] [--steps N] [--legs bench,peer,cuda]
 #
 # 1. Sets the project up: with --dry-run as `make` does (.venv, pinned CPU torch); on a GPU
 #    machine on the python3 that holds its CUDA torch (a venv with its site packages), adding
@@ -16,21 +16,31 @@
 #    process group and its flight-recorder dump, the allocator's memory snapshot on a provoked OOM
 #    (the `model.block_oom` fault with diagnose.memory_history).
 #
+# --legs picks some of 2-4 (all by default), to re-run one leg inside a short lease. The GPU image's
+# torch need not be the version the recipes lock (`[env]`): its runs pass --no-check, and the table
+# names the torch that ran.
+#
 # Everything goes under $OUT (a new temporary folder when unset); nothing else is written but the
 # set-up. --dry-run runs on a CPU in seconds: tiny shapes, fp32, compile off, one step, the CUDA
 # paths and the peer reported as skipped. tests/e2e/test_accelerator_suite.py runs it that way.
 set -euo pipefail
 
-dry=0 wheels="" steps=5
+dry=0 wheels="" steps=5 legs="bench,peer,cuda"
 while [[ $# -gt 0 ]]; do
   case "$1" in
     --dry-run) dry=1 ;;
     --wheels) wheels=${2:?--wheels needs a folder}; shift ;;
     --steps) steps=${2:?--steps needs a number}; shift ;;
-    *) echo "accelerator.sh: unknown argument $1 (--dry-run, --wheels DIR, --steps N)" >&2; exit 2 ;;
+    --legs) legs=${2:?--legs needs a list (bench,peer,cuda)}; shift ;;
+    *) echo "accelerator.sh: unknown argument $1 (--dry-run, --wheels DIR, --steps N, --legs LIST)" >&2; exit 2 ;;
   esac
   shift
 done
+for leg in ${legs//,/ }; do
+  [[ $leg == bench || $leg == peer || $leg == cuda ]] \
+    || { echo "accelerator.sh: unknown leg $leg in --legs (bench, peer, cuda)" >&2; exit 2; }
+done
+leg() { [[ ",$legs," == *",$1,"* ]]; }
 repo=$(cd "$(dirname "$0")/.." && pwd)
 OUT=${OUT:-$(mktemp -d -t trainbook-accel-XXXXXX)}
 mkdir -p "$OUT"
@@ -43,7 +53,14 @@ if [[ $dry == 1 ]]; then
   make -C "$repo" .venv/.installed >/dev/null
   py="$repo/.venv/bin/python"
 else
-  python3 -m venv --system-site-packages "$work/venv"
+  # A venv that sees python3's packages. python3 may itself be a venv's (the GPU image's is), whose
+  # packages --system-site-packages does not reach: a .pth names its site folders.
+  gpu_venv() {
+    python3 -m venv --system-site-packages "$1"
+    python3 -c 'import site, sys; print("\n".join(p for p in sys.path if p.endswith("-packages")))' \
+      > "$("$1/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/_outer.pth"
+  }
+  gpu_venv "$work/venv"
   py="$work/venv/bin/python"
   if [[ -n $wheels ]]; then
     "$py" -m pip install -q --no-index --find-links "$wheels" --no-deps --no-compile "$wheels"/*.whl 2>>"$OUT/suite.log" || true
@@ -73,7 +90,7 @@ else
   common="precision.dtype=bf16 run.device=cuda train.max_steps=1000"
   compiles="false true"
 fi
-for shape in tiny 1b 8b-4l; do
+leg bench && for shape in tiny 1b 8b-4l; do
   for c in $compiles; do
     log "bench model $shape compile=$c"
     # shellcheck disable=SC2086
@@ -84,13 +101,20 @@ done
 
 # ---- 3. torchtitan 0.3.0 on the same shapes -----------------------------------------------------
 peer="skipped"
-if [[ $dry == 1 ]]; then
+if ! leg peer; then
+  peer="skipped (--legs)"
+elif [[ $dry == 1 ]]; then
   peer="skipped (--dry-run)"
 elif [[ -n $wheels ]] && ls "$wheels"/torchtitan-0.3.0-*.whl >/dev/null 2>&1; then
-  python3 -m venv --system-site-packages "$work/tt"
+  gpu_venv "$work/tt"
   if "$work/tt/bin/python" -m pip install -q --no-index --find-links "$wheels" torchtitan==0.3.0 >>"$OUT/suite.log" 2>&1; then
     peer="torchtitan 0.3.0"
-    for shape in tiny 1b 8b-4l; do
+    # It needs the torch it was released against (torch.distributed.fsdp.DataParallelMeshDims, not
+    # in 2.11): say so once rather than fail six runs.
+    if ! why=$("$work/tt/bin/python" -c "import torchtitan.train" 2>&1); then
+      peer="skipped (torchtitan 0.3.0 does not import on torch $("$py" -c 'import torch; print(torch.__version__)'): $(tail -1 <<<"$why"))"
+    fi
+    [[ $peer == "torchtitan 0.3.0" ]] && for shape in tiny 1b 8b-4l; do
       for c in $compiles; do
         log "torchtitan $shape compile=$c"
         "$py" "$repo/benchmarks/accelerator_peer.py" --python "$work/tt/bin/python" --shape "$shape" \
@@ -107,12 +131,14 @@ fi
 log "peer: $peer"
 
 # ---- 4. CUDA-only paths -----------------------------------------------------------------------------
-if [[ $dry == 1 ]]; then
+if ! leg cuda; then
+  log "cuda paths: skipped (--legs)"
+elif [[ $dry == 1 ]]; then
   log "cuda paths: skipped (--dry-run: pinned-memory loader, NCCL + flight recorder, OOM memory snapshot)"
   echo "skipped (--dry-run)" > "$OUT/cuda-paths.txt"
 else
   : > "$OUT/cuda-paths.txt"
-  if tb run "$repo/recipes/tiny-shakespeare.toml" run.device=cuda data.pin_memory=true train.max_steps=20 \
+  if tb run --no-check "$repo/recipes/tiny-shakespeare.toml" run.device=cuda data.pin_memory=true train.max_steps=20 \
        train.eval_every=10 --run-dir "$work/pinned" >>"$OUT/suite.log" 2>&1; then
     echo "pinned-memory loader: ok (20 steps)" >> "$OUT/cuda-paths.txt"
   else
@@ -120,7 +146,7 @@ else
   fi
   if (cd "$work" && "$py" "$repo/benchmarks/accelerator_nccl.py" "$OUT/flight") >> "$OUT/cuda-paths.txt" 2>>"$OUT/suite.log"; then :
   else echo "nccl + flight recorder: FAILED" >> "$OUT/cuda-paths.txt"; fi
-  TRAINBOOK_FAULT=model.block_oom@2 tb run "$repo/recipes/tiny-shakespeare.toml" run.device=cuda \
+  TRAINBOOK_FAULT=model.block_oom@2 tb run --no-check "$repo/recipes/tiny-shakespeare.toml" run.device=cuda \
     diagnose.memory_history=true train.max_steps=3 train.eval_every=0 --run-dir "$work/oom" >>"$OUT/suite.log" 2>&1 || true
   snap=$(ls "$work"/oom/oom/*.pickle 2>/dev/null | head -1 || true)
   if [[ -n $snap ]]; then
