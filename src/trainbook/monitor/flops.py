@@ -122,11 +122,17 @@ def _sync(device: torch.device) -> None:
         getattr(torch, device.type).synchronize(device)
 
 
+PEAK_PROBE_BUDGET_S = 0.5
+"""Seconds a run's start-up gives the CPU peak probe. An idle 2-core CPU does the whole probe in
+about 0.4 s; a busy one (the probe then measures the load, not the CPU) used to take the probe's
+general 2 s on every rank of every run."""
+
+
 def measure_matmul_peak(device: torch.device, dtype: str, n: int = 1024) -> Peak:
     """The best square-matmul throughput of this process on `device` (`matmul_flops`): the
     CPU's practical peak with the threads this run uses."""
-    return Peak(matmul_flops(device, dtype, n), f"cpu ({torch.get_num_threads()} threads)", dtype,
-                f"measured: best of up to 5 x 8 chained {n}x{n} matmuls in {dtype}")
+    return Peak(matmul_flops(device, dtype, n, budget_s=PEAK_PROBE_BUDGET_S), f"cpu ({torch.get_num_threads()} threads)",
+                dtype, f"measured: best of up to 5 x 8 chained {n}x{n} matmuls in {dtype}")
 
 
 def _cached_peak(cache: Path, dtype: str) -> Peak | None:

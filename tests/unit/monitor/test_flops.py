@@ -82,3 +82,15 @@ def test_a_slow_dtype_gets_a_probe_within_its_budget():
         with CountMatmuls() as counter:
             assert matmul_flops(torch.device("cpu"), "fp32", n=64, budget_s=budget) > 0
         assert counter.count == expected, (budget, counter.count)
+
+
+def test_a_runs_cpu_peak_probe_keeps_to_the_start_up_budget(monkeypatch):
+    """Every CPU run measures its peak before step 1 (train/settle.py): that probe keeps to
+    `PEAK_PROBE_BUDGET_S`, not the 2 s of `check`'s probe. With no budget at all, one timing of one
+    matmul after the warm-up."""
+    from trainbook.monitor import flops
+
+    monkeypatch.setattr(flops, "PEAK_PROBE_BUDGET_S", 0.0)
+    with CountMatmuls() as counter:
+        assert measure_matmul_peak(torch.device("cpu"), "fp32", n=64).flops > 0
+    assert counter.count == 1 + 1
