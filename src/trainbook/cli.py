@@ -126,11 +126,11 @@ def sample(
 @app.command()
 def export(
     target: Annotated[Path, typer.Argument(help="A run directory (its newest valid checkpoint) or a checkpoint.")],
-    format: Annotated[str, typer.Option("--format", help="safetensors (trainbook names) | hf (a Hugging Face folder of the model's family: Llama, Qwen2, Qwen3).")],
+    format: Annotated[str, typer.Option("--format", help="safetensors (trainbook names) | hf (a Hugging Face folder of the model's family: Llama, Qwen2, Qwen3; LoRA merged) | peft (a LoRA run's adapters in PEFT's layout).")],
     out: Annotated[Path, typer.Option(help="New folder to write; must not exist or be empty.")],
     dtype: Annotated[str, typer.Option(help="fp32 | bf16 | fp16.")] = "fp32",
 ) -> None:
-    """Write a checkpoint's model weights as safetensors, or as a Hugging Face folder."""
+    """Write a checkpoint's model weights as safetensors, as a Hugging Face folder, or its LoRA adapters for PEFT."""
     from trainbook.commands.export import export_command
 
     typer.echo(export_command(target, format, out, dtype))

@@ -176,6 +176,8 @@ BLOCKS = {
     "trainbook run RECIPE --nproc 4": ("input", "commands"),
     "$ trainbook run train.micro_batch_size=8 --nproc 2": ("compared", "tests/e2e/test_readme_output.py"),
     "[model]": ("input", "a recipe's section"),
+    "[lora]": ("input", "a recipe's section"),
+    "trainbook export RUN --format peft": ("input", "commands"),
     "# my-recipe.toml": ("compared", "tests/e2e/test_tutorial.py"),
     "trainbook check my-recipe.toml": ("compared", "tests/e2e/test_tutorial.py"),
     "trainbook bench data my-recipe.toml": ("compared", "tests/e2e/test_tutorial.py"),

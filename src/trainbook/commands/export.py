@@ -1,6 +1,7 @@
 """`trainbook export`: a checkpoint's model weights as a safetensors file or a Hugging Face folder.
 
-    --format safetensors   OUT/model.safetensors      trainbook parameter names; the step and the
+    --format safetensors   OUT/model.safetensors      trainbook parameter names (LoRA adapters
+                                                      included, unmerged); the step and the
                                                       model config in its `__metadata__`
     --format hf            OUT/model.safetensors      the family's Hugging Face names (model.hf): Llama, Qwen2, Qwen3
                            OUT/config.json            from the run's resolved model config
@@ -8,7 +9,11 @@
                            OUT/<tokenizer files>      the run's `tokenizer/` folder, plus
                                                       tokenizer_config.json for a tokenizer.json;
                                                       that file's post-processor is set to add what
-                                                      the run adds (BOS with `add_bos`, else none)
+                                                      the run adds (BOS with `add_bos`, else none);
+                                                      a LoRA run's adapters merged: W + alpha/r B A
+    --format peft          OUT/adapter_model.safetensors  a LoRA run's adapters alone, in PEFT's
+                           OUT/adapter_config.json        layout and names (model/lora.py), for
+                                                      `PeftModel.from_pretrained(<base HF folder>, OUT)`
 
 Only the checkpoint's `model.*` entries are read, straight into tensors of the export dtype: no
 model is initialised and no optimizer state is allocated, so peak memory is one copy of the weights
@@ -32,16 +37,18 @@ from safetensors.torch import save_file
 from trainbook.atomic import fsync_dir
 from trainbook.checkpoint import load_state, locate, step_of, tensor_entries
 from trainbook.checkpoint.store import MANIFEST
-from trainbook.config import ModelConfig, load_config
+from trainbook.config import LoraConfig, ModelConfig, load_config
 from trainbook.data.tokenizer import META_FILE, match_post_processor
 from trainbook.errors import TrainbookError
 from trainbook.model import build_model, resolve
 from trainbook.model.hf import hf_config, to_hf_state_dict
+from trainbook.model.lora import apply_lora, merged_state_dict, peft_target_modules, to_peft_state_dict
 from trainbook.runs import RunPaths
 
-FORMATS = ("safetensors", "hf")
+FORMATS = ("safetensors", "hf", "peft")
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 WEIGHTS_FILE = "model.safetensors"
+PEFT_WEIGHTS_FILE = "adapter_model.safetensors"
 
 
 def export_command(target: Path, fmt: str, out: Path, dtype: str = "fp32") -> str:
@@ -61,9 +68,13 @@ def export(target: Path, fmt: str, out: Path, dtype: str = "fp32") -> Path:
     run = RunPaths.of(run_dir)
     # Training writes the resolved config into the manifest, so a checkpoint copied out of its
     # run still exports; the run's config.resolved.toml is the fallback.
-    saved = json.loads((ckpt / MANIFEST).read_text(encoding="utf-8")).get("config", {}).get("model")
-    cfg = resolve(ModelConfig(**saved) if saved else load_config(run.config).model)
-    weights = read_weights(ckpt, cfg, DTYPES[dtype])
+    saved = json.loads((ckpt / MANIFEST).read_text(encoding="utf-8")).get("config", {})
+    cfg = resolve(ModelConfig(**saved["model"]) if saved.get("model") else load_config(run.config).model)
+    lora = LoraConfig(**saved.get("lora", {})) if saved.get("model") else load_config(run.config).lora
+    if fmt == "peft" and not lora.enabled:
+        raise TrainbookError("the run trained no LoRA adapters (lora.rank = 0); export it with --format hf "
+                             "or safetensors", where="--format peft")
+    weights = read_weights(ckpt, cfg, DTYPES[dtype], lora)
     if cfg.tie_embeddings:
         # Same tensor twice in the state dict; safetensors refuses aliases and one copy is enough.
         weights.pop("output.weight")
@@ -78,22 +89,30 @@ def export(target: Path, fmt: str, out: Path, dtype: str = "fp32") -> Path:
     try:
         if fmt == "safetensors":
             metadata["trainbook.model"] = json.dumps(cfg.model_dump(mode="json"))
+            metadata["trainbook.lora"] = json.dumps(lora.model_dump(mode="json"))
             save_file(weights, tmp / WEIGHTS_FILE, metadata=metadata | {"trainbook.layout": "trainbook"})
+        elif fmt == "peft":
+            _write_peft(tmp, weights, cfg, lora, metadata)
         else:
-            _write_hf(tmp, weights, cfg, DTYPES[dtype], run.tokenizer, metadata)
+            merged = merged_state_dict(weights, lora.scale) if lora.enabled else weights
+            _write_hf(tmp, merged, cfg, DTYPES[dtype], run.tokenizer, metadata)
         _publish(tmp, out)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)  # gone after the rename; a half export otherwise
     return out
 
 
-def read_weights(ckpt: Path, cfg: ModelConfig, dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    """The model tensors of checkpoint `ckpt`, full and on CPU, in `dtype`, by trainbook name.
+def read_weights(ckpt: Path, cfg: ModelConfig, dtype: torch.dtype,
+                 lora: LoraConfig | None = None) -> dict[str, torch.Tensor]:
+    """The model tensors of checkpoint `ckpt`, full and on CPU, in `dtype`, by trainbook name
+    (with `lora`'s adapters, `....lora_a.weight` / `....lora_b.weight`, when it is enabled).
 
     Checked first against the shapes `cfg` gives, so a checkpoint from another model is named as
     such rather than failing inside DCP.
     """
-    expected = {k: tuple(v.shape) for k, v in build_model(cfg, "meta", seed=0).state_dict().items()}
+    model = build_model(cfg, "meta", seed=0)
+    apply_lora(model, lora or LoraConfig(), seed=0)
+    expected = {k: tuple(v.shape) for k, v in model.state_dict().items()}
     _check_shapes(ckpt, _saved_model_shapes(ckpt), expected)
     # Loaded straight into `dtype`: DCP copies each saved tensor into the one given (copy_
     # converts, rounding to nearest as .to() does), so no full fp32 copy is held alongside.
@@ -153,6 +172,29 @@ def _write_hf(
             # tokenizer_meta.json names the file as trained, by its sha256: it would now fail to load.
             (tmp / META_FILE).unlink(missing_ok=True)
         _write_json(tmp / "tokenizer_config.json", _hf_tokenizer_config(specials, cfg.max_seq_len))
+
+
+def _write_peft(tmp: Path, weights: dict, cfg: ModelConfig, lora: LoraConfig, metadata: dict) -> None:
+    """The adapters under PEFT's names, and the LoraConfig PEFT reads (peft 0.21's field names;
+    the base model is the folder the run started from, or the run's own `--format hf` export)."""
+    save_file(to_peft_state_dict(weights), tmp / PEFT_WEIGHTS_FILE, metadata=metadata | {"trainbook.layout": "peft"})
+    base = cfg.init_from.removeprefix("hf:") if cfg.init_from and cfg.init_from.startswith("hf:") else None
+    _write_json(tmp / "adapter_config.json", {
+        "peft_type": "LORA",
+        "task_type": "CAUSAL_LM",
+        "base_model_name_or_path": base,
+        "r": lora.rank,
+        "lora_alpha": lora.alpha,
+        "lora_dropout": lora.dropout,
+        "target_modules": peft_target_modules(weights, cfg.n_layers),
+        "bias": "none",
+        "fan_in_fan_out": False,
+        "use_rslora": False,  # the scale is alpha / r, not alpha / sqrt(r)
+        "use_dora": False,
+        "init_lora_weights": True,
+        "modules_to_save": None,
+        "inference_mode": True,
+    })
 
 
 def _tokenizer_specials(tokenizer_dir: Path) -> dict:

@@ -19,7 +19,8 @@ from pathlib import Path
 from trainbook.config import AlertsConfig, Config, TokenizerConfig, load_config
 from trainbook.data import hf_tokenizer_config
 from trainbook.errors import TrainbookError
-from trainbook.model import resolve as resolve_model
+from trainbook.model import build_model, resolve as resolve_model
+from trainbook.model.lora import targeted
 from trainbook.model.registry import FROM_HF
 from trainbook.parallel.device import device_memory_bytes, pick_device
 from trainbook.parallel.dims import ParallelDims, pipeline_microbatches, resolve_dims
@@ -101,6 +102,7 @@ def resolve(recipe: Path, overrides: list[str], world_size: int, *, device_memor
     _check_secrets(cfg, where)
     dims = resolve_dims(cfg.parallel, world_size, where)
     _check_model_layout(cfg, dims, where)
+    _check_lora(cfg, dims, where)
     chosen = cfg.train.micro_batch_size == "auto"
     mbs = _auto_micro_batch(cfg, dims, device_memory, where) if chosen else cfg.train.micro_batch_size
     _check_batch(cfg, dims, mbs, where)
@@ -123,6 +125,23 @@ def with_hf_model(cfg: Config) -> Config:
     model = imported.model_copy(update={**chosen, "init_from": cfg.model.init_from, "resize_init": cfg.model.resize_init})
     tokenizer = TokenizerConfig(**hf_tokenizer_config(path))
     return cfg.model_copy(update={"model": model, "tokenizer": tokenizer})
+
+
+def _check_lora(cfg: Config, dims: ParallelDims, where: str) -> None:
+    """`[lora]`'s targets name linear layers of the model (built on the meta device), and the
+    layout is one LoRA runs under."""
+    if not cfg.lora.enabled:
+        return
+    if dims.tp > 1:
+        # ColwiseParallel/RowwiseParallel shard a module's parameters by name and cannot reach the
+        # adapter's nested lora_a/lora_b; sharding them needs a TP plan of their own.
+        raise TrainbookError("LoRA under tensor parallel is not supported yet; use tp = 1 (FSDP or DDP shard the base)",
+                             where=f"{where}: lora.rank")
+    try:
+        targeted(build_model(cfg.model, "meta", seed=0), cfg.lora.targets)
+    except TrainbookError as e:
+        e.where = f"{where}: {e.where}"
+        raise
 
 
 def _check_model_layout(cfg: Config, dims: ParallelDims, where: str) -> None:

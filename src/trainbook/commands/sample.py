@@ -10,6 +10,7 @@ from trainbook.checkpoint import load_state, locate
 from trainbook.config import load_config
 from trainbook.data import Tokenizer
 from trainbook.model import build_model, generate
+from trainbook.model.lora import apply_lora
 from trainbook.runs import RunPaths
 
 
@@ -21,6 +22,7 @@ def sample(
     cfg = load_config(run.config)
     tokenizer = Tokenizer.load(run.tokenizer)
     model = build_model(cfg.model, torch.device("cpu"), seed=cfg.run.seed)
+    apply_lora(model, cfg.lora, seed=0)  # a LoRA run's checkpoint holds its adapters too
     state = {"model": model.state_dict()}
     load_state(ckpt, state)
     model.load_state_dict(state["model"])

@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from trainbook.model.llama import Llama
+from trainbook.model.lora import describe
 
 
 def matching(model: nn.Module, patterns: list[str]) -> tuple[list[str], list[str]]:
@@ -83,4 +84,5 @@ def resize_vocab(model: Llama, vocab_size: int, how: str, seed: int) -> None:
 def trainable_summary(model: nn.Module) -> str:
     total = sum(p.numel() for p in model.parameters())
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
-    return f"{trainable:,} of {total:,} parameters trainable ({trainable / total:.1%})"
+    lora = describe(model)
+    return f"{trainable:,} of {total:,} parameters trainable ({trainable / total:.1%})" + (f": {lora}" if lora else "")
