@@ -8,13 +8,14 @@ from __future__ import annotations
 
 import json
 import shutil
+import signal
 from pathlib import Path
 
 import pytest
 import torch
 
 from tests.conftest import PLAY, RECIPES, run_cli, run_cli_error, write_hf_llama
-from trainbook.checkpoint import load_state, locate
+from trainbook.checkpoint import load_state, locate, tensor_entries
 from trainbook.checkpoint.store import MANIFEST
 from trainbook.commands.export import export
 from trainbook.config import load_config
@@ -102,6 +103,47 @@ def test_a_lora_run_exports_adapters_peft_loads_with_trainbook_s_logits(tmp_path
     assert str(refused.value) == ("--format peft: the run trained no LoRA adapters (lora.rank = 0); "
                                   "export it with --format hf or safetensors")
     assert not (tmp_path / "none").exists() and not (tmp_path / "none.tmp").exists()
+
+
+def _metrics(run_dir: Path) -> list[tuple]:
+    return [(r["step"], r["loss"]) for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())
+            if r["kind"] == "train"]
+
+
+def _checkpoint(run_dir: Path) -> dict[str, torch.Tensor]:
+    """Every tensor of the run's newest checkpoint: model (base and adapters) and optimizer."""
+    ckpt = locate(run_dir)[1]
+    state = {key: torch.empty(tuple(meta.size), dtype=meta.properties.dtype)
+             for key, meta in tensor_entries(ckpt).items() if key.startswith(("model.", "optim."))}
+    load_state(ckpt, state)
+    return state
+
+
+@pytest.mark.slow
+def test_a_killed_lora_run_resumes_bitwise_with_its_adapters_and_their_optimizer_state(tmp_path):
+    """Accumulation 2, warmup past the first checkpoint and dropout on the adapters' input, so a
+    resume that lost the adapters, their moments, the schedule or the RNG would change the losses."""
+    _folder(tmp_path)
+    steps = (*SMALL, "train.max_steps=4", "train.global_batch_tokens=512", "checkpoint.interval_steps=2",
+             "schedule.warmup_steps=3", "lora.rank=4", "lora.dropout=0.1", "optim.lr=1e-2")
+    straight, run_dir = tmp_path / "straight", tmp_path / "killed"
+    done = run_cli("run", str(RECIPE), *steps, "--run-dir", str(straight), cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    killed = run_cli("run", str(RECIPE), *steps, "--run-dir", str(run_dir), cwd=tmp_path,
+                     env={"TRAINBOOK_FAULT": "train.after_step@3"})
+    assert killed.returncode == -signal.SIGKILL, killed.stderr
+    resumed = run_cli("run", "--run-dir", str(run_dir), cwd=tmp_path)
+    assert resumed.returncode == 0, resumed.stderr
+    assert "step-2 at step 2" in resumed.stdout
+
+    assert _metrics(run_dir) == _metrics(straight) and len(_metrics(straight)) == 4
+    ours, theirs = _checkpoint(run_dir), _checkpoint(straight)
+    assert ours.keys() == theirs.keys()
+    assert all(torch.equal(ours[k], theirs[k]) for k in theirs)
+    # The checkpoint holds every weight, and optimizer state for the adapters alone.
+    assert "model.layers.0.attention.wq.weight" in theirs and "model.layers.0.attention.wq.lora_b.weight" in theirs
+    optim = [k for k in theirs if k.startswith("optim.")]
+    assert optim and all(".lora_a." in k or ".lora_b." in k for k in optim), optim[:3]
 
 
 def test_lora_bad_input_is_one_line_exit_2_nothing_written(tmp_path):
