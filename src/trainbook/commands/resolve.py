@@ -73,7 +73,7 @@ class Resolved:
 
     def plan_inputs(self) -> PlanInputs:
         c = self.cfg
-        return PlanInputs(c.model, c.train, c.parallel, c.precision.dtype)
+        return PlanInputs(c.model, c.train, c.parallel, c.precision.dtype, c.lora)
 
 
 def resolve(recipe: Path, overrides: list[str], world_size: int, *, device_memory: int | None = None,
@@ -203,7 +203,7 @@ def _auto_micro_batch(cfg: Config, dims: ParallelDims, device_memory: int | None
         return sizes[0]
     from trainbook.parallel.plan import largest_fitting
 
-    inputs = PlanInputs(cfg.model, cfg.train, cfg.parallel, cfg.precision.dtype)
+    inputs = PlanInputs(cfg.model, cfg.train, cfg.parallel, cfg.precision.dtype, cfg.lora)
     fitting = largest_fitting(inputs, dims, sizes, device_memory)
     return fitting if fitting is not None else sizes[-1]  # the smallest; plan says how far off
 

@@ -24,6 +24,7 @@ import torch
 from torch import nn
 
 from trainbook.model import build_model, num_params
+from trainbook.model.lora import apply_lora
 from trainbook.parallel.dims import MESH_DIMS, ParallelDims, pipeline_microbatches
 from trainbook.parallel.plan_memory import (
     PlanInputs, block_numel, compute_bytes, human, memory, numel, rank_of, residual_bytes,
@@ -107,6 +108,7 @@ def _simulate_rank(cfg: PlanInputs, dims: ParallelDims, rank: int) -> dict:
             warnings.simplefilter("ignore")
             mesh = dims.build_mesh("cpu")
             model = build_model(cfg.model, "meta", seed=0)
+            apply_lora(model, cfg.lora, seed=0)  # as the trainer's surgery does: the base frozen
             pp_rank = dims.coordinate(rank)["pp"]
             if dims.pp > 1:
                 held = StageGroup([module for _, module in rank_stages(
@@ -160,6 +162,7 @@ def make_plan(cfg: PlanInputs, dims: ParallelDims, device_memory: int | None = N
                   "qkv_bias": m.qkv_bias, "qk_norm": m.qk_norm, "ffn_dim": m.ffn_dim,
                   "vocab_size": m.vocab_size, "tie_embeddings": m.tie_embeddings},
         "precision": {"weights": "fp32", "compute": cfg.dtype},
+        "lora": _lora(cfg),
         "mesh": _mesh(dims, cfg),
         "pipeline": _pipeline(model, dims, cfg),
         "params": _params(ranks, dims),
@@ -168,6 +171,16 @@ def make_plan(cfg: PlanInputs, dims: ParallelDims, device_memory: int | None = N
     }
     plan["memory"] = memory(ranks, dims, cfg, plan["pipeline"], device_memory)
     return plan
+
+
+def _lora(cfg: PlanInputs) -> dict | None:
+    """What trains under `[lora]`: the adapters' parameters (the base's are frozen), or None."""
+    if not cfg.lora.enabled:
+        return None
+    model = build_model(cfg.model, "meta", seed=0)
+    apply_lora(model, cfg.lora, seed=0)
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    return {"rank": cfg.lora.rank, "alpha": cfg.lora.alpha, "trainable_params": trainable}
 
 
 def largest_fitting(cfg: PlanInputs, dims: ParallelDims, micro_batch_sizes: list[int],

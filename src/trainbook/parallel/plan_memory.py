@@ -6,10 +6,10 @@ plan.py builds on this module."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from itertools import accumulate
 
-from trainbook.config import ModelConfig, ParallelConfig, TrainConfig
+from trainbook.config import LoraConfig, ModelConfig, ParallelConfig, TrainConfig
 from trainbook.model.count import count
 from trainbook.parallel.dims import MESH_DIMS, ParallelDims
 from trainbook.sizes import human
@@ -29,6 +29,9 @@ class PlanInputs:
     parallel: ParallelConfig
     dtype: str
     """Compute dtype (precision.dtype): fp32, bf16 or fp16."""
+    lora: LoraConfig = field(default_factory=LoraConfig)
+    """`[lora]`: with a rank, the base is frozen (its weights held, no gradients, no optimizer
+    state) and only the adapters train."""
 
 
 def rank_of(dims: ParallelDims, coord: dict[str, int]) -> int:

@@ -17,6 +17,10 @@ def render(plan: dict) -> str:
              f"model {m['name']}: {m['params']:,} parameters ({m['family']}, {m['n_layers']} layers, dim {m['dim']}, "
              f"{m['n_heads']} heads / {m['n_kv_heads']} kv heads of {m['head_dim']}, ffn {m['ffn_dim']}, "
              f"vocab {m['vocab_size']}{options}); weights fp32, compute {plan['precision']['compute']}", ""]
+    if plan.get("lora"):
+        lora = plan["lora"]
+        lines[-1:-1] = [f"LoRA rank {lora['rank']}, alpha {lora['alpha']:g}: {lora['trainable_params']:,} adapter "
+                        "parameters train; the base is frozen (its weights held, no gradients, no optimizer state)"]
 
     layout = " x ".join(f"{k} {v}" for k, v in sizes.items())
     lines += [f"Mesh: {layout} (rank = row-major over pp, dp_replicate, dp_shard, tp; tp innermost)"]

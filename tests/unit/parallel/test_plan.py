@@ -223,6 +223,24 @@ def test_llama3_8b_sharded_8_ways_with_checkpointing_fits(llama8b):
     assert no_ac["fits"] is False and "activation_checkpoint = full would fit" in no_ac["verdict"]
 
 
+def test_lora_on_llama3_8b_holds_the_frozen_base_and_trains_only_the_adapters(llama8b):
+    """The same 8B on one 80 GiB rank with rank-16 adapters on every linear layer of the blocks:
+    the base's weights stay (fp32, as the trainer holds them), its gradients and AdamW state go."""
+    plan = plan_json(1, LLAMA8B + ["lora.rank=16"], "80GiB")
+    n = plan["model"]["params"]
+    # Per block r (in + out) for wq, wk, wv, wo (4096 -> 4096, 1024, 1024, 4096) and w1, w3, w2 (4096 <-> 14336).
+    adapters = 32 * 16 * (2 * 8192 + 2 * 5120 + 3 * 18432)
+    assert plan["lora"] == {"rank": 16, "alpha": 16.0, "trainable_params": adapters == 41_943_040 and adapters}
+    rank, full = plan["memory"]["per_rank"][0], llama8b["1"]["memory"]["per_rank"][0]
+    assert rank["params"] == 4 * (n + adapters)
+    assert rank["grads"] == 4 * adapters
+    assert rank["optimizer"] == 8 * adapters + 4 * 32 * 7 * 2  # two moments, and a step per A and per B
+    assert full["total"] - rank["total"] > 85 * GiB
+    assert plan["memory"]["fits"] is True
+    text = plan_command(RECIPE, LLAMA8B + ["lora.rank=16"], 1, "80GiB", as_json=False)
+    assert "LoRA rank 16, alpha 16: 41,943,040 adapter parameters train" in text
+
+
 def test_more_ranks_hold_less_each(llama8b):
     totals = [max(r["total"] for r in llama8b[k]["memory"]["per_rank"]) for k in ("1", "2 fsdp", "4 fsdp x tp")]
     assert totals == sorted(totals, reverse=True)
@@ -234,8 +252,9 @@ def test_more_ranks_hold_less_each(llama8b):
 def test_text_and_json_say_the_same(llama8b, key):
     world_size = LAYOUTS_8B[key][0]
     plan = llama8b[key]
-    assert set(plan) == {"recipe", "world_size", "model", "precision", "mesh", "pipeline", "params", "batch",
+    assert set(plan) == {"recipe", "world_size", "model", "precision", "lora", "mesh", "pipeline", "params", "batch",
                          "gradient_path", "memory", "expect"}
+    assert plan["lora"] is None
     text = render(plan)  # what plan_command prints without --json
     headings = [line for line in text.splitlines() if line and not line.startswith(" ")]
     assert [h.split()[0].rstrip(":") for h in headings[:-1]] == [
