@@ -1,5 +1,5 @@
 """LoRA end to end: a run of the fine-tuning recipe with `lora.rank`, started from a Hugging Face
-Llama folder, exported for PEFT (`--format peft`) and merged (`--format hf`); PEFT's
+Llama folder, sampled from, exported for PEFT (`--format peft`) and merged (`--format hf`); PEFT's
 `PeftModel.from_pretrained` on the adapter and the base folder computes trainbook's logits.
 Bad input: targets that name no module, LoRA under tensor parallel (one line, exit 2, nothing
 written), `--format peft` of a run without adapters (refused before anything is written)."""
@@ -19,8 +19,9 @@ from trainbook.checkpoint import load_state, locate, tensor_entries
 from trainbook.checkpoint.store import MANIFEST
 from trainbook.commands.export import export
 from trainbook.config import load_config
+from trainbook.data import Tokenizer
 from trainbook.errors import TrainbookError
-from trainbook.model import build_model
+from trainbook.model import build_model, generate
 from trainbook.model.lora import apply_lora
 
 RECIPE = RECIPES / "finetune-hf-llama.toml"
@@ -35,7 +36,7 @@ def _folder(tmp_path: Path) -> None:
     (tmp_path / "data" / "finetune.jsonl").write_text("\n".join(lines) + "\n")
 
 
-def _trainbook_logits(run_dir: Path, tokens: torch.Tensor) -> torch.Tensor:
+def _trainbook_model(run_dir: Path) -> torch.nn.Module:
     """The run's newest checkpoint, adapters included, in trainbook's own model."""
     cfg = load_config(run_dir / "config.resolved.toml")
     model = build_model(cfg.model, "cpu", seed=0)
@@ -43,8 +44,7 @@ def _trainbook_logits(run_dir: Path, tokens: torch.Tensor) -> torch.Tensor:
     state = {"model": model.state_dict()}
     load_state(locate(run_dir)[1], state)
     model.load_state_dict(state["model"])
-    with torch.no_grad():
-        return model(tokens)
+    return model
 
 
 @pytest.mark.slow
@@ -62,6 +62,15 @@ def test_a_lora_run_exports_adapters_peft_loads_with_trainbook_s_logits(tmp_path
     assert done.returncode == 0, done.stderr
     assert "LoRA rank 4, alpha 8 (scale 2) on 14 linear layers" in done.stdout
 
+    # `sample` continues greedily as the adapted model does (not as the base, which it would be
+    # if it left the adapters out: loading a checkpoint skips the keys a model does not ask for).
+    ours_model = _trainbook_model(run_dir)
+    tokenizer = Tokenizer.load(run_dir / "tokenizer")
+    greedy = tokenizer.decode(generate(ours_model, tokenizer.encode("BERNARDO:"), 12, temperature=0.0))
+    sampled = run_cli("sample", str(run_dir), "--prompt", "BERNARDO:", "--max-new-tokens", "12", "--temperature", "0")
+    assert sampled.returncode == 0, sampled.stderr
+    assert sampled.stdout.rstrip("\n") == "BERNARDO:" + greedy.rstrip("\n")
+
     peft_dir, hf_dir = tmp_path / "peft", tmp_path / "merged"
     exported = run_cli("export", str(run_dir), "--format", "peft", "--out", str(peft_dir), cwd=tmp_path)
     assert exported.returncode == 0, exported.stderr
@@ -77,8 +86,8 @@ def test_a_lora_run_exports_adapters_peft_loads_with_trainbook_s_logits(tmp_path
 
     base_folder = tmp_path / "models" / "llama-hf"
     tokens = torch.randint(0, 300, (2, 32), generator=torch.Generator().manual_seed(0))
-    ours = _trainbook_logits(run_dir, tokens)
     with torch.no_grad():
+        ours = ours_model(tokens)
         base = transformers.AutoModelForCausalLM.from_pretrained(base_folder)(tokens).logits
         theirs = peft.PeftModel.from_pretrained(transformers.AutoModelForCausalLM.from_pretrained(base_folder),
                                                 peft_dir)(tokens).logits
