@@ -92,9 +92,10 @@ class Llama(nn.Module):
         self.rope_sin.copy_(sin)
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None,
-                targets: torch.Tensor | None = None) -> torch.Tensor:
+                targets: torch.Tensor | None = None, masked: bool = False) -> torch.Tensor:
         """tokens (B, T) int64 -> logits (B, T, vocab_size), in the compute dtype; with `targets`
-        (B, T) int64, the mean next-token loss instead (fp32 scalar, `loss`).
+        (B, T) int64, the mean next-token loss instead (fp32 scalar, `loss`); with `masked` too,
+        the sum over the targets that are not `model.loss.IGNORE` (fine-tuning's loss masks).
 
         `positions` (B, T) int64, for windows packed with several documents: each token's position
         in its document, 0 where a document (or the window) starts. RoPE then uses these positions
@@ -125,15 +126,16 @@ class Llama(nn.Module):
         h = self.norm(h) if self.norm is not None else h
         if self.output is None or self.hidden_out:
             return h  # (B, T, dim)
-        return self.output(h) if targets is None else self.loss(h, targets)  # (B, T, vocab_size) or ()
+        return self.output(h) if targets is None else self.loss(h, targets, masked)  # (B, T, vocab_size) or ()
 
-    def loss(self, h: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    def loss(self, h: torch.Tensor, targets: torch.Tensor, masked: bool = False) -> torch.Tensor:
         """Mean cross entropy of the head's logits for normed hidden states h (B, T, dim) against
-        targets (B, T): chunked when `chunked_loss` is set (model/loss.py), else from full logits."""
+        targets (B, T) (`masked`: the sum over trained targets): chunked when `chunked_loss` is
+        set (model/loss.py), else from full logits."""
         c = self.chunked_loss
         if c is not None:
-            return linear_cross_entropy(h, self.output.weight, targets, c.chunk_tokens, c.compiled)
-        return full_cross_entropy(self.output(h), targets)
+            return linear_cross_entropy(h, self.output.weight, targets, c.chunk_tokens, c.compiled, masked)
+        return full_cross_entropy(self.output(h), targets, masked)
 
 
 def document_mask(positions: torch.Tensor) -> torch.Tensor:

@@ -25,6 +25,10 @@ against 405 before, compiled 69 against 240, full eager 127; at vocab 32768 (`--
 2,285 against 8,161, compiled 1,569 against 4,277, full eager 6,546.
 
 Both return the mean over tokens in fp32 and match to float32 rounding (tests/unit/model/test_loss.py).
+With `masked=True` (fine-tuning's loss masks) a target below 0 (`IGNORE`) is no token: it adds
+nothing to the loss and its logits get a gradient of exactly zero, and both return the sum over the
+trained tokens; the objective divides it by the step's trained tokens (train/objective.py). The
+unmasked path is the one above, unchanged.
 """
 
 from __future__ import annotations
@@ -34,6 +38,9 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+
+IGNORE = -100
+"""The target of a position that is not trained (`masked=True`); Hugging Face's ignore index."""
 
 DEFAULT_CHUNK_TOKENS = 2048
 """Rows of logits per chunk: 2048 x a 128K vocabulary in fp32 is 1 GiB, 2048 x 2048 is 16 MiB."""
@@ -53,36 +60,51 @@ class ChunkedLoss:
     """The chunk's elementwise work as one compiled kernel (under train.compile)."""
 
 
-def full_cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Mean next-token cross entropy of logits (B, T, V) against targets (B, T), in fp32."""
+def full_cross_entropy(logits: torch.Tensor, targets: torch.Tensor, masked: bool = False) -> torch.Tensor:
+    """Mean next-token cross entropy of logits (B, T, V) against targets (B, T), in fp32; with
+    `masked`, the sum over the targets that are not `IGNORE`."""
+    if masked:
+        return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(0, 1), ignore_index=IGNORE,
+                               reduction="sum")
     return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(0, 1))
 
 
-def _chunk_loss(logits: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _chunk_loss(logits: torch.Tensor, targets: torch.Tensor,
+                masked: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(summed loss, fp32 logits, their log-sum-exp (C,)) of one chunk: logits (C, V) any dtype,
     targets (C,). The one loss of every path, so evaluation's is training's bit for bit."""
     logits = logits.float()
     lse = torch.logsumexp(logits, dim=-1)  # (C,)
+    if masked:
+        rows = lse - logits.gather(1, targets.clamp(min=0)[:, None])[:, 0]
+        return torch.where(targets >= 0, rows, 0.0).sum(), logits, lse
     return (lse - logits.gather(1, targets[:, None])[:, 0]).sum(), logits, lse
 
 
-def _chunk_loss_only(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    return _chunk_loss(logits, targets)[0]
+def _chunk_loss_only(logits: torch.Tensor, targets: torch.Tensor, masked: bool = False) -> torch.Tensor:
+    return _chunk_loss(logits, targets, masked)[0]
 
 
-def _softmax_minus_one_hot(logits: torch.Tensor, lse: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """d summed-loss / d logits (C, V) of fp32 logits with log-sum-exp `lse`; entries in [-1, 1]."""
+def _softmax_minus_one_hot(logits: torch.Tensor, lse: torch.Tensor, targets: torch.Tensor,
+                           masked: bool = False) -> torch.Tensor:
+    """d summed-loss / d logits (C, V) of fp32 logits with log-sum-exp `lse`; entries in [-1, 1]
+    (rows of ignored targets, with `masked`: zero)."""
+    if masked:
+        grad = torch.exp(logits - lse[:, None]) - F.one_hot(targets.clamp(min=0), logits.shape[1]).to(logits.dtype)
+        return torch.where((targets >= 0)[:, None], grad, 0.0)
     return torch.exp(logits - lse[:, None]) - F.one_hot(targets, logits.shape[1]).to(logits.dtype)
 
 
-def _chunk_loss_and_grad(logits: torch.Tensor, targets: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _chunk_loss_and_grad(logits: torch.Tensor, targets: torch.Tensor, n: int,
+                         masked: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """(summed loss, d mean-loss / d logits) of one chunk: logits (C, V) any dtype, targets (C,)."""
-    loss, logits, lse = _chunk_loss(logits, targets)
-    return loss, _softmax_minus_one_hot(logits, lse, targets) / n
+    loss, logits, lse = _chunk_loss(logits, targets, masked)
+    return loss, _softmax_minus_one_hot(logits, lse, targets, masked) / n
 
 
 def _chunk_loss_and_fp16_grad(logits: torch.Tensor, targets: torch.Tensor, w_absmax: torch.Tensor,
-                              h_absmax: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                              h_absmax: torch.Tensor,
+                              masked: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(summed loss, s * (softmax - one-hot) in fp16, s) of one chunk for fp16 products: s the
     largest power of two (at most 2^15) under which neither product, with the head (max |w|
     `w_absmax`) or with the chunk's hidden states (max |h| `h_absmax`), can leave fp16's range.
@@ -92,8 +114,8 @@ def _chunk_loss_and_fp16_grad(logits: torch.Tensor, targets: torch.Tensor, w_abs
     would be zero, and the loss scale, applied only in backward, could not bring it back. At
     scale s its entries keep fp16's precision; the products are divided by s n in fp32.
     """
-    loss, logits, lse = _chunk_loss(logits, targets)
-    grad = _softmax_minus_one_hot(logits, lse, targets)  # (C, V)
+    loss, logits, lse = _chunk_loss(logits, targets, masked)
+    grad = _softmax_minus_one_hot(logits, lse, targets, masked)  # (C, V)
     # Bounds whatever the order of summation: a row of `grad @ w` is at most
     # sum_v |grad[r, v]| max|w| <= 2 max|w|; a row of `grad.T @ h`, sum_r |grad[r, v]| max|h|.
     col_sum = torch.linalg.vector_norm(grad, 1, dim=0).amax()
@@ -124,14 +146,15 @@ def _times(grad: torch.Tensor, grad_out: torch.Tensor, dtype: torch.dtype) -> to
 
 class _LinearCrossEntropy(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, h, weight, targets, chunk_tokens: int, compiled: bool):
-        n = h.shape[0]
+    def forward(ctx, h, weight, targets, chunk_tokens: int, compiled: bool, masked: bool):
+        n = 1 if masked else h.shape[0]  # the divisor (masked: 1, the sum); chunks still span every row
         dtype = _compute_dtype(h, weight)
         with torch.autocast(h.device.type, enabled=False):
             if dtype == torch.float16:
-                total, grad_h, grad_w = _fp16_loss_and_grads(h, weight.to(dtype), targets, chunk_tokens, compiled)
+                total, grad_h, grad_w = _fp16_loss_and_grads(h, weight.to(dtype), targets, chunk_tokens, compiled,
+                                                             n, masked)
             else:
-                total, grad_h, grad_w = _loss_and_grads(h, weight, targets, chunk_tokens, compiled, dtype)
+                total, grad_h, grad_w = _loss_and_grads(h, weight, targets, chunk_tokens, compiled, dtype, n, masked)
         ctx.dtypes = h.dtype, weight.dtype
         ctx.save_for_backward(grad_h, grad_w)
         return total / n
@@ -140,21 +163,20 @@ class _LinearCrossEntropy(torch.autograd.Function):
     def backward(ctx, grad_out):
         grad_h, grad_w = ctx.saved_tensors
         h_dtype, w_dtype = ctx.dtypes
-        return _times(grad_h, grad_out, h_dtype), _times(grad_w, grad_out, w_dtype), None, None, None
+        return _times(grad_h, grad_out, h_dtype), _times(grad_w, grad_out, w_dtype), None, None, None, None
 
 
-def _loss_and_grads(h, weight, targets, chunk_tokens, compiled, dtype):
+def _loss_and_grads(h, weight, targets, chunk_tokens, compiled, dtype, n, masked):
     """fp32 or bf16 (bf16 has fp32's exponent range): each chunk's gradient at 1/n in the compute
     dtype; grad_h in h's dtype, grad_w accumulated in fp32 and returned in the weight's."""
-    n = h.shape[0]
     chunk_fn = _compiled(_chunk_loss_and_grad) if compiled else _chunk_loss_and_grad
     w = weight.to(dtype)
     grad_h = torch.empty_like(h)
     grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
     total = torch.zeros((), dtype=torch.float32, device=h.device)
-    for start in range(0, n, chunk_tokens):
+    for start in range(0, h.shape[0], chunk_tokens):
         hc = h[start:start + chunk_tokens].to(dtype)  # (C, dim)
-        loss, grad = chunk_fn(hc @ w.t(), targets[start:start + chunk_tokens], n)
+        loss, grad = chunk_fn(hc @ w.t(), targets[start:start + chunk_tokens], n, masked)
         total += loss
         grad = grad.to(dtype)  # (C, V)
         grad_h[start:start + chunk_tokens] = grad @ w
@@ -165,7 +187,7 @@ def _loss_and_grads(h, weight, targets, chunk_tokens, compiled, dtype):
     return total, grad_h, grad_w.to(weight.dtype)
 
 
-def _fp16_loss_and_grads(h, w, targets, chunk_tokens, compiled):
+def _fp16_loss_and_grads(h, w, targets, chunk_tokens, compiled, n, masked):
     """fp16 (w: the head in fp16): each chunk's gradient scaled by a power of two into fp16's
     range, the products in fp16 as the full-logit path runs them, divided back in fp32; both
     gradients returned in fp32 (cast after the loss scale, in backward).
@@ -178,15 +200,15 @@ def _fp16_loss_and_grads(h, w, targets, chunk_tokens, compiled):
     made at the end of forward: the same peak (4 + 2 bytes an entry), moved into backward; h's
     gradient (N, dim) is kept in fp32 there, 2 bytes an entry more.
     """
-    n = h.shape[0]
     chunk_fn = _compiled(_chunk_loss_and_fp16_grad) if compiled else _chunk_loss_and_fp16_grad
     w_absmax = torch.linalg.vector_norm(w, float("inf"), dtype=torch.float32)  # max |w|, no (V, dim) temporary
     grad_h = torch.empty(h.shape, dtype=torch.float32, device=h.device)
     grad_w = torch.zeros(w.shape, dtype=torch.float32, device=w.device)
     total = torch.zeros((), dtype=torch.float32, device=h.device)
-    for start in range(0, n, chunk_tokens):
+    for start in range(0, h.shape[0], chunk_tokens):
         hc = h[start:start + chunk_tokens].to(torch.float16)  # (C, dim)
-        loss, grad, s = chunk_fn(hc @ w.t(), targets[start:start + chunk_tokens], w_absmax, hc.abs().amax().float())
+        loss, grad, s = chunk_fn(hc @ w.t(), targets[start:start + chunk_tokens], w_absmax, hc.abs().amax().float(),
+                                 masked)
         total += loss
         unscale = 1 / (s * n)  # fp32: a 16K-token chunk's 1/n is under fp16's range
         rows = grad_h[start:start + chunk_tokens]
@@ -196,25 +218,28 @@ def _fp16_loss_and_grads(h, w, targets, chunk_tokens, compiled):
     return total, grad_h, grad_w
 
 
-def _loss(h, weight, targets, chunk_tokens, compiled):
+def _loss(h, weight, targets, chunk_tokens, compiled, masked):
     """The mean loss alone, chunk by chunk (evaluation: no gradient products, no gradient buffers)."""
-    n = h.shape[0]
+    n = 1 if masked else h.shape[0]
     dtype = _compute_dtype(h, weight)
     chunk_fn = _compiled(_chunk_loss_only) if compiled else _chunk_loss_only
     with torch.autocast(h.device.type, enabled=False):
         w = weight.to(dtype)
         total = torch.zeros((), dtype=torch.float32, device=h.device)
-        for start in range(0, n, chunk_tokens):
-            total += chunk_fn(h[start:start + chunk_tokens].to(dtype) @ w.t(), targets[start:start + chunk_tokens])
+        for start in range(0, h.shape[0], chunk_tokens):
+            total += chunk_fn(h[start:start + chunk_tokens].to(dtype) @ w.t(), targets[start:start + chunk_tokens],
+                              masked)
     return total / n
 
 
 def linear_cross_entropy(h: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
-                         chunk_tokens: int = DEFAULT_CHUNK_TOKENS, compiled: bool = False) -> torch.Tensor:
+                         chunk_tokens: int = DEFAULT_CHUNK_TOKENS, compiled: bool = False,
+                         masked: bool = False) -> torch.Tensor:
     """Mean cross entropy of `h @ weight.T` (h (B, T, dim) or (N, dim), weight (V, dim)) against
-    targets (B, T) or (N,), without materialising more than `chunk_tokens` rows of logits. Without
-    a gradient to take (no_grad, or neither h nor weight requires one), the loss alone."""
+    targets (B, T) or (N,), without materialising more than `chunk_tokens` rows of logits (with
+    `masked`: the sum over targets that are not `IGNORE`). Without a gradient to take (no_grad, or
+    neither h nor weight requires one), the loss alone."""
     h, targets = h.reshape(-1, h.shape[-1]), targets.reshape(-1)
     if torch.is_grad_enabled() and (h.requires_grad or weight.requires_grad):
-        return _LinearCrossEntropy.apply(h, weight, targets, chunk_tokens, compiled)
-    return _loss(h, weight, targets, chunk_tokens, compiled)
+        return _LinearCrossEntropy.apply(h, weight, targets, chunk_tokens, compiled, masked)
+    return _loss(h, weight, targets, chunk_tokens, compiled, masked)
