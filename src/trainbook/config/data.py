@@ -15,9 +15,18 @@ class SourceConfig(Section):
     """Source name, used in reports and metrics."""
     paths: list[str] = Field(min_length=1)
     """Globs of input files; `pkg://PACKAGE/sub/dir/*.md` resolves inside an installed package."""
-    format: Literal["text", "markdown", "jsonl", "parquet"] = "text"
+    format: Literal["text", "markdown", "jsonl", "parquet", "chat", "prompt_completion"] = "text"
     """`text`: one document per file (or per `separator`); `markdown`: same, markup stripped;
-    `jsonl`: one document per line, in `text_field`; `parquet`: one per row of column `text_field`."""
+    `jsonl`: one document per line, in `text_field`; `parquet`: one per row of column `text_field`;
+    `chat`: JSONL of conversations (`messages_field`: a list of `{role, content}`), rendered with
+    the chat template; `prompt_completion`: JSONL with `prompt_field` and `completion_field`, both
+    strings (joined as written) or both message lists (rendered with the chat template)."""
+    messages_field: str = "messages"
+    """`chat`: the field that holds a record's messages."""
+    prompt_field: str = "prompt"
+    """`prompt_completion`: the field that holds the prompt."""
+    completion_field: str = "completion"
+    """`prompt_completion`: the field that holds the completion (the trained part)."""
     separator: str | None = None
     """`text`/`markdown`: split each file into documents on this string; unset: one per file."""
     text_field: str = "text"
@@ -107,6 +116,9 @@ class TokenizerConfig(Section):
     """Beginning-of-document token; unset: the tokenizer's own, if it has one."""
     pad_token: str | None = None
     """Padding token; unset: the tokenizer's own, if it has one."""
+    chat_template: str | None = None
+    """A jinja file with the chat template for `chat` and `prompt_completion` data; unset: the
+    `chat_template` of the `tokenizer_config.json` beside `tokenizer.path`."""
     add_bos: bool = False
     """Put the BOS token at the start of every document."""
     tiktoken_encoding: Literal["cl100k_base", "o200k_base", "llama3"] | None = None

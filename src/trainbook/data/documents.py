@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from typing import NamedTuple
 
 from trainbook.config.data import DataConfig, SourceConfig
+from trainbook.data.chat import CHAT_FORMATS
 from trainbook.data.clean import Cleaner
 from trainbook.data.dedup import Deduplicator
 from trainbook.data.sources import SourceStats, iter_documents, resolve_paths
@@ -93,8 +94,10 @@ class DocumentStream:
             report = self.reports[i]
             cleaner = Cleaner(self.data.clean)
             produced = 0
+            # Conversations are used as written (a canonical JSON record: data/chat.py).
+            chat = source.format in CHAT_FORMATS
             for text in iter_documents(source, where=f"data.sources[{i}]", stats=report.read):
-                text = cleaner(text)
+                text = text if chat else cleaner(text)
                 if text is None:
                     continue
                 duplicate = dedup.check(text, source.name)

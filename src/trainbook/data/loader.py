@@ -40,6 +40,7 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset
 
+from trainbook.data.chat import DOC_START, LAST, TRAINED
 from trainbook.data.mixture import MixtureOrder
 from trainbook.data.shards import TokenStream
 from trainbook.errors import TrainbookError
@@ -52,6 +53,7 @@ class Batch(NamedTuple):
     targets: torch.Tensor  # (B, T) int64, inputs shifted by one
     positions: torch.Tensor | None = None  # (B, T) int64 for document packing, else None
     sources: torch.Tensor | None = None  # (B,) int64: each row's training source (recipe order)
+    loss_mask: torch.Tensor | None = None  # (B, T) bool: the targets trained (fine-tuning), else None: all
 
 
 def num_samples(stream: TokenStream, seq_len: int) -> int:
@@ -59,32 +61,58 @@ def num_samples(stream: TokenStream, seq_len: int) -> int:
     return max(0, (len(stream) - 1) // seq_len)
 
 
-def document_positions(inputs: np.ndarray, eos_id: int) -> np.ndarray:
-    """Position of each token in its document, restarting after every EOS: (B, T) int64."""
+def document_positions(inputs: np.ndarray, eos_id: int, bits: np.ndarray | None = None) -> np.ndarray:
+    """Position of each token in its document, restarting after every EOS (with chat data's
+    mask `bits` (B, T): at every `DOC_START`, since a chat model's EOS may end a turn): (B, T) int64."""
     _, seq_len = inputs.shape
     arange = np.arange(seq_len, dtype=np.int64)
     starts = np.zeros(inputs.shape, dtype=bool)  # (B, T): token begins a document (or the window)
+    if bits is not None:
+        starts[:] = (bits & DOC_START) != 0
+    else:
+        starts[:, 1:] = inputs[:, :-1] == eos_id
     starts[:, 0] = True
-    starts[:, 1:] = inputs[:, :-1] == eos_id
     # The index of the latest start at or before each token, by a running maximum.
     last_start = np.maximum.accumulate(np.where(starts, arange, 0), axis=1)
     return arange - last_start
 
 
-def to_batch(tokens: np.ndarray, eos_id: int | None) -> Batch:
-    """tokens (B, T+1) -> Batch; positions when `eos_id` is given (document packing)."""
+def loss_select(loss_on: str) -> int:
+    """`train.loss_on` -> the mask bit its targets carry (0: every target). `TRAINED` marks the
+    assistant turns of chat data, the completion of prompt_completion data and every token of
+    text, so `auto`, `assistant` and `completion` all select it (resolution checks that the
+    sources have what `loss_on` names)."""
+    return {"all": 0, "last_assistant": LAST}.get(loss_on, TRAINED)
+
+
+def loss_mask(bits: np.ndarray, select: int) -> np.ndarray:
+    """Mask bytes (B, T+1) -> the trained targets (B, T) bool: those carrying `select` (0: all),
+    never the first token of a document (no label crosses into the next one)."""
+    target = bits[:, 1:]
+    trained = (target & select) != 0 if select else np.ones(target.shape, dtype=bool)
+    return trained & ((target & DOC_START) == 0)
+
+
+def to_batch(tokens: np.ndarray, eos_id: int | None, bits: np.ndarray | None = None, select: int = TRAINED) -> Batch:
+    """tokens (B, T+1) -> Batch; positions when `eos_id` is given (document packing); the loss
+    mask when chat data's mask `bits` (B, T+1) are."""
     tokens = np.asarray(tokens, dtype=np.int64)
-    positions = None if eos_id is None else torch.from_numpy(document_positions(tokens[:, :-1], eos_id))
+    positions = None if eos_id is None else torch.from_numpy(
+        document_positions(tokens[:, :-1], eos_id, None if bits is None else bits[:, :-1]))
+    mask = None if bits is None else torch.from_numpy(loss_mask(bits, select))
     tokens = torch.from_numpy(tokens)
     # Two contiguous tensors rather than two strided views of one: callers may .view() them.
-    return Batch(tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous(), positions)
+    return Batch(tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous(), positions, loss_mask=mask)
 
 
 def make_batch(
-    stream: TokenStream, sample_ids: np.ndarray, seq_len: int, eos_id: int | None = None
+    stream: TokenStream, sample_ids: np.ndarray, seq_len: int, eos_id: int | None = None,
+    masks: TokenStream | None = None, select: int = TRAINED,
 ) -> Batch:
-    """Read samples `sample_ids` (shape (B,)) of one stream as a Batch."""
-    return to_batch(stream.take(sample_ids * seq_len, seq_len + 1), eos_id)  # (B, T+1)
+    """Read samples `sample_ids` (shape (B,)) of one stream (and its mask bytes) as a Batch."""
+    starts = sample_ids * seq_len
+    bits = None if masks is None else masks.take(starts, seq_len + 1)
+    return to_batch(stream.take(starts, seq_len + 1), eos_id, bits, select)  # (B, T+1)
 
 
 WORKER_ITEM_TOKENS = 1 << 16
@@ -96,8 +124,11 @@ class BatchReader(Dataset):
     processes (which hold copies) never need to be told where the loader is."""
 
     def __init__(self, streams: dict[str, TokenStream], order: MixtureOrder, seq_len: int,
-                 micro_batch_size: int, rank: int, eos_id: int | None):
+                 micro_batch_size: int, rank: int, eos_id: int | None,
+                 masks: dict[str, TokenStream] | None = None, select: int = TRAINED):
         self.streams = list(streams.values())  # in `order.names` order
+        self.masks = None if masks is None else [masks[name] for name in streams]
+        self.select = select
         self.order = order
         self.seq_len = seq_len
         self.micro_batch_size = micro_batch_size
@@ -108,21 +139,26 @@ class BatchReader(Dataset):
         lo = base + self.rank * self.micro_batch_size
         source, ids = self.order.sample_ids(np.arange(lo, lo + self.micro_batch_size))  # (B,) each
         tokens = np.empty((self.micro_batch_size, self.seq_len + 1), dtype=np.int64)
+        bits = None if self.masks is None else np.empty(tokens.shape, dtype=np.uint8)
         for s in np.unique(source):  # one fancy-index read per source in the batch
             rows = source == s
             tokens[rows] = self.streams[s].take(ids[rows] * self.seq_len, self.seq_len + 1)
-        return to_batch(tokens, self.eos_id)._replace(sources=torch.from_numpy(source))
+            if bits is not None:
+                bits[rows] = self.masks[s].take(ids[rows] * self.seq_len, self.seq_len + 1)
+        return to_batch(tokens, self.eos_id, bits, self.select)._replace(sources=torch.from_numpy(source))
 
     def __len__(self) -> int:  # endless in practice; DataLoader asks only for the sampler's items
         return 1 << 62
 
     # Pickled (spawn/forkserver workers) as shard paths, not as copies of the memory maps.
     def __getstate__(self) -> dict:
-        return {**self.__dict__, "streams": [s.paths for s in self.streams]}
+        return {**self.__dict__, "streams": [s.paths for s in self.streams],
+                "masks": None if self.masks is None else [m.paths for m in self.masks]}
 
     def __setstate__(self, state: dict) -> None:
         self.__dict__.update(state)
         self.streams = [TokenStream(paths) for paths in state["streams"]]
+        self.masks = None if state["masks"] is None else [TokenStream(paths) for paths in state["masks"]]
 
 
 class _BatchGroups(Dataset):
@@ -179,6 +215,8 @@ class TrainLoader:
         pin_memory: bool = False,
         prefetch_factor: int = 2,
         on_reepoch: Callable[[str, int], None] | None = None,
+        masks: dict[str, TokenStream] | None = None,
+        loss_on: str = "auto",
     ):
         assert 0 <= rank < world_size, (rank, world_size)
         _check_packing(packing, eos_id)
@@ -199,7 +237,8 @@ class TrainLoader:
             [self.samples[n] for n in self.names], seed,
         )
         self.reader = BatchReader(streams, self.order, seq_len, micro_batch_size, rank,
-                                  eos_id if packing == "document" else None)
+                                  eos_id if packing == "document" else None, masks,
+                                  loss_select(loss_on))
         if pin_memory and not torch.accelerator.is_available():
             warnings.warn("pin_memory=True has no effect without an accelerator", stacklevel=2)
             pin_memory = False
@@ -357,7 +396,8 @@ def _check_packing(packing: str, eos_id: int | None) -> None:
 
 def val_batches(
     stream: TokenStream, seq_len: int, micro_batch_size: int, n_batches: int,
-    packing: str = "concat", *, eos_id: int | None = None,
+    packing: str = "concat", *, eos_id: int | None = None, masks: TokenStream | None = None,
+    loss_on: str = "auto",
 ) -> Iterator[Batch]:
     """The first `n_batches` validation batches, the same ones in the same order every call.
 
@@ -368,13 +408,13 @@ def val_batches(
     _check_packing(packing, eos_id)
     n = check_val_split(stream, seq_len)  # here, not on the first next(): the call that set it up
     return _val_batches(stream, seq_len, micro_batch_size, n_batches, n,
-                        eos_id if packing == "document" else None)
+                        eos_id if packing == "document" else None, masks, loss_select(loss_on))
 
 
 def _val_batches(
     stream: TokenStream, seq_len: int, micro_batch_size: int, n_batches: int, n: int,
-    eos_id: int | None,
+    eos_id: int | None, masks: TokenStream | None, select: int,
 ) -> Iterator[Batch]:
     for b in range(n_batches):
         sample_ids = np.arange(b * micro_batch_size, (b + 1) * micro_batch_size) % n  # (B,)
-        yield make_batch(stream, sample_ids, seq_len, eos_id)
+        yield make_batch(stream, sample_ids, seq_len, eos_id, masks, select)

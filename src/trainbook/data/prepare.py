@@ -4,6 +4,7 @@
       tokenizer/                       the tokenizer (files + tokenizer_meta.json)
       train-<source>-00000.bin/.json   one packed stream per source (doc EOS doc EOS ...)
       val-<source>-00000.bin/.json
+      {train,val}-<source>-mask-00000.bin/.json   with chat data: a byte per token (data/chat.py)
       manifest.json                    written last: its presence means the entry is complete
 
 `key` hashes everything the shards depend on: the data and tokenizer settings, the seed, the
@@ -32,9 +33,10 @@ import tokenizers
 
 from trainbook.atomic import atomic_write_json
 from trainbook.config.data import DataConfig, TokenizerConfig
+from trainbook.data.chat import CHAT_FORMAT, CHAT_FORMATS, ChatEncoder, ChatTemplate, template_source, text_bits
 from trainbook.data.documents import Document, DocumentStream
 from trainbook.data.shards import ShardWriter, TokenStream, token_dtype, verify_shard
-from trainbook.data.sources import resolve_paths
+from trainbook.data.sources import locate_record, resolve_paths
 from trainbook.data.tokenizer import Tokenizer, build_tokenizer, check_ids
 from trainbook.errors import TrainbookError
 
@@ -63,6 +65,10 @@ class Prepared:
     """Counts, report, tokenizer sha256, cache key, inputs: the contents of manifest.json."""
     cached: bool
     """True when an existing cache entry was reused (nothing was read or tokenized)."""
+    train_masks: dict[str, TokenStream] | None = None
+    """Chat data: each train stream's mask bytes, token for token (data/chat.py); else None."""
+    val_mask: TokenStream | None = None
+    """Chat data: the validation stream's mask bytes; else None."""
 
 
 def prepare(data: DataConfig, tok: TokenizerConfig, *, seed: int, log: Log | None = None) -> Prepared:
@@ -102,6 +108,11 @@ def find_prepared(data: DataConfig, tok: TokenizerConfig, *, seed: int, log: Log
 def _build(out: Path, data: DataConfig, tok: TokenizerConfig, seed: int, key: str, inputs: list[dict],
            log: Log) -> Prepared:
     documents = DocumentStream(data, seed)
+    chat = has_chat(data)
+    if chat and tok.kind == "train_bpe":
+        raise TrainbookError("chat and prompt_completion data need the model's own tokenizer (kind 'hf', "
+                             "a tokenizer.json with its chat template's special tokens), not a trained BPE",
+                             where="tokenizer.kind")
     if tok.kind == "train_bpe":
         # Pass 1: train on train documents only, so validation text stays unseen by every part.
         log(f"training a BPE tokenizer (vocab {tok.vocab_size}) on the train documents")
@@ -111,7 +122,8 @@ def _build(out: Path, data: DataConfig, tok: TokenizerConfig, seed: int, key: st
     input_bytes = sum(r["bytes"] for r in inputs)
     log(f"tokenizing {len(inputs)} files ({input_bytes / 1e6:,.1f} MB) with {data.num_proc} process(es)")
     start = time.perf_counter()
-    shards = _write_shards(out, data, documents, tokenizer, log)
+    encoder = chat_encoder(data, tok, tokenizer) if chat else None
+    shards = _write_shards(out, data, documents, tokenizer, log, encoder)
     elapsed = time.perf_counter() - start
     manifest = _manifest(data, tok, seed, key, inputs, tokenizer, shards, documents, elapsed)
     atomic_write_json(out / "manifest.json", manifest)  # last: marks the entry complete
@@ -142,6 +154,10 @@ def cache_key(data: DataConfig, tok: TokenizerConfig, *, seed: int, inputs: list
         "tokenizer": tokenizer,
         "inputs": inputs,
     }
+    if has_chat(data):  # the template decides the ids and the masks
+        template = _optional_template(tok)
+        payload["chat"] = {"format": CHAT_FORMAT,
+                           "template_sha256": template and hashlib.sha256(template[0].encode()).hexdigest()}
     return hashlib.sha256(json.dumps(payload, sort_keys=True).encode("utf-8")).hexdigest()
 
 
@@ -149,44 +165,111 @@ def cache_key(data: DataConfig, tok: TokenizerConfig, *, seed: int, inputs: list
 
 
 def _write_shards(
-    out: Path, data: DataConfig, documents: DocumentStream, tokenizer: Tokenizer, log: Log
+    out: Path, data: DataConfig, documents: DocumentStream, tokenizer: Tokenizer, log: Log,
+    encoder: ChatEncoder | None = None,
 ) -> dict[str, dict[str, ShardWriter]]:
-    """Pass 2: tokenize every document once, append EOS, stream it into its (source, split) shards."""
+    """Pass 2: tokenize every document once, append EOS, stream it into its (source, split) shards;
+    with an `encoder` (chat data), every token's mask byte into the source's mask shards too."""
     dtype = token_dtype(tokenizer.vocab_size)
-    writers = {
-        split: {s.name: ShardWriter(out, f"{split}-{i:02d}", dtype, data.shard_tokens,
-                                    meta={"source": s.name, "split": split, "tokenizer_sha256": tokenizer.sha256})
-                for i, s in enumerate(data.sources)}
-        for split in SPLITS
-    }
+
+    def writers_of(suffix: str, dtype: np.dtype) -> dict[str, dict[str, ShardWriter]]:
+        return {split: {s.name: ShardWriter(out, f"{split}-{i:02d}{suffix}", dtype, data.shard_tokens,
+                                            meta={"source": s.name, "split": split,
+                                                  "tokenizer_sha256": tokenizer.sha256})
+                        for i, s in enumerate(data.sources)}
+                for split in SPLITS}
+
+    writers = writers_of("", dtype)
+    masks = writers_of("-mask", np.dtype("<u1")) if encoder is not None else None
+    chat = [s.format in CHAT_FORMATS for s in data.sources]
     names = [s.name for s in data.sources]
     progress = _Progress(log)
-    for chunk, (lengths, ids) in _tokenized_chunks(documents, tokenizer, data.num_proc):
+    for chunk, (lengths, ids) in _tokenized_chunks(documents, tokenizer, data.num_proc, chat):
         check_ids(ids, tokenizer.vocab_size, where="tokenizer")
         ends = np.cumsum(lengths)
+        tokens = len(ids)
         for doc, end, length in zip(chunk, ends, lengths):
-            writers["val" if doc.is_val else "train"][names[doc.source]].add(ids[end - length : end])
-        progress.update(len(chunk), sum(len(d.text) for d in chunk), len(ids))
-    for by_source in writers.values():
-        for writer in by_source.values():
-            writer.close()
+            split, name = "val" if doc.is_val else "train", names[doc.source]
+            if not chat[doc.source]:
+                writers[split][name].add(ids[end - length : end])
+                if masks is not None:  # a text document trains every token
+                    masks[split][name].add(text_bits(int(length)))
+                continue
+            doc_ids, bits = _encode_chat(encoder, data, doc)
+            check_ids(doc_ids, tokenizer.vocab_size, where="tokenizer")
+            writers[split][name].add(doc_ids)
+            masks[split][name].add(bits)
+            tokens += len(doc_ids) - 1
+        progress.update(len(chunk), sum(len(d.text) for d in chunk), tokens)
+    for group in (writers, masks or {}):
+        for by_source in group.values():
+            for writer in by_source.values():
+                writer.close()
+    if masks is not None:
+        for split in SPLITS:
+            for name, writer in masks[split].items():
+                writers[split][name].mask_names = writer.names
     return writers
 
 
+def _encode_chat(encoder: ChatEncoder, data: DataConfig, doc: Document) -> tuple[np.ndarray, np.ndarray]:
+    """`encoder.encode` of one conversation; an error it raises names the record's file and line
+    (found by reading the source again: only on that error path)."""
+    source, where = data.sources[doc.source], f"data.sources[{doc.source}]"
+    try:
+        return encoder.encode(doc.text, where)
+    except TrainbookError as e:
+        record = locate_record(source, doc.text, where)
+        if record is not None:
+            e.message = f"{record}: {e.message}"
+            e.args = (e.message,)
+        raise
+
+
+def has_chat(data: DataConfig) -> bool:
+    return any(s.format in CHAT_FORMATS for s in data.sources)
+
+
+def _optional_template(tok: TokenizerConfig) -> tuple[str, str] | None:
+    try:
+        return template_source(tok.chat_template, tok.path)
+    except TrainbookError:
+        if tok.chat_template is not None:  # a file named but not readable
+            raise
+        return None
+
+
+def chat_encoder(data: DataConfig, tok: TokenizerConfig, tokenizer: Tokenizer) -> ChatEncoder:
+    """The encoder of chat documents: the recipe's template and the tokenizer. Without a
+    template only string prompt_completion records can be encoded: a `chat` source is refused
+    here, before any record is read; a conversational prompt_completion record, when met."""
+    found = _optional_template(tok)
+    if found is None and any(s.format == "chat" for s in data.sources):
+        template_source(tok.chat_template, tok.path)  # raises: why there is none, and what to set
+    template = None if found is None else ChatTemplate(found[0], found[1], bos_token=tokenizer.bos_token,
+                                                       eos_token=tokenizer.eos_token)
+    return ChatEncoder(template, tokenizer)
+
+
 def _tokenized_chunks(
-    documents: DocumentStream, tokenizer: Tokenizer, num_proc: int
+    documents: DocumentStream, tokenizer: Tokenizer, num_proc: int, chat: list[bool] | None = None,
 ) -> Iterator[tuple[list[Document], tuple[np.ndarray, np.ndarray]]]:
-    """(documents, (per-document lengths, concatenated ids with EOS)) in document order."""
+    """(documents, (per-document lengths, concatenated ids with EOS)) in document order; the
+    documents of `chat` sources are left out (encoded as empty: a chat encoder takes them)."""
     chunks = _chunks(documents, CHUNK_CHARS)
+
+    def texts(chunk: list[Document]) -> list[str]:
+        return [d.text if not (chat and chat[d.source]) else "" for d in chunk]
+
     if num_proc == 1:
         for chunk in chunks:
-            yield chunk, _encode_chunk(tokenizer, [d.text for d in chunk])
+            yield chunk, _encode_chunk(tokenizer, texts(chunk))
         return
     ctx = multiprocessing.get_context("spawn")  # fork would copy the parent's threads and locks
     with ctx.Pool(num_proc, initializer=_worker_init, initargs=(tokenizer,)) as pool:
         pending: collections.deque = collections.deque()
         for chunk in chunks:
-            pending.append((chunk, pool.apply_async(_worker_encode, ([d.text for d in chunk],))))
+            pending.append((chunk, pool.apply_async(_worker_encode, (texts(chunk),))))
             if len(pending) >= 2 * num_proc:  # bounded: never read far ahead of the workers
                 done, result = pending.popleft()
                 yield done, result.get()
@@ -262,6 +345,8 @@ def _manifest(data, tok, seed, key, inputs, tokenizer, shards, documents, elapse
             **report.as_dict(),
             "files": sum(1 for r in inputs if r["source"] == i),
             "shards": {split: shards[split][source.name].names for split in SPLITS},
+            **({"masks": {split: shards[split][source.name].mask_names for split in SPLITS}}
+               if shards["train"][source.name].mask_names is not None else {}),
             "tokens": {split: shards[split][source.name].tokens for split in SPLITS},
         })
     return {
@@ -350,7 +435,8 @@ def _load_cached(out: Path, key: str, log: Log) -> Prepared | None:
             raise TrainbookError("the tokenizer differs from the one the shards were made with")
         prepared = _open(out, tokenizer, manifest, cached=True)  # checks shard sizes
         for source in manifest["sources"]:  # and every shard's checksum against its index
-            for name in source["shards"]["train"] + source["shards"]["val"]:
+            masks = source.get("masks", {"train": [], "val": []})
+            for name in source["shards"]["train"] + source["shards"]["val"] + masks["train"] + masks["val"]:
                 verify_shard(out / name)
     except (TrainbookError, OSError, ValueError, KeyError) as e:
         log(f"cache entry {out} is damaged ({e}); preparing again")
@@ -360,6 +446,11 @@ def _load_cached(out: Path, key: str, log: Log) -> Prepared | None:
 
 
 def _open(out: Path, tokenizer: Tokenizer, manifest: dict, cached: bool) -> Prepared:
-    train = {s["name"]: TokenStream([out / n for n in s["shards"]["train"]]) for s in manifest["sources"]}
-    val = TokenStream([out / n for s in manifest["sources"] for n in s["shards"]["val"]])
-    return Prepared(out, tokenizer, train, val, manifest, cached)
+    sources = manifest["sources"]
+    train = {s["name"]: TokenStream([out / n for n in s["shards"]["train"]]) for s in sources}
+    val = TokenStream([out / n for s in sources for n in s["shards"]["val"]])
+    if "masks" not in sources[0]:
+        return Prepared(out, tokenizer, train, val, manifest, cached)
+    train_masks = {s["name"]: TokenStream([out / n for n in s["masks"]["train"]]) for s in sources}
+    val_mask = TokenStream([out / n for s in sources for n in s["masks"]["val"]])
+    return Prepared(out, tokenizer, train, val, manifest, cached, train_masks, val_mask)

@@ -110,6 +110,7 @@ class ShardWriter:
         self.max_tokens = max_tokens
         self.meta = meta
         self.names: list[str] = []
+        self.mask_names: list[str] | None = None  # the mask shards beside these (chat data), set by prepare
         self.documents = 0
         self.tokens = 0
         self._pending: list[np.ndarray] = []

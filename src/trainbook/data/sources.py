@@ -28,6 +28,7 @@ import pyarrow.parquet as pq
 import zstandard
 
 from trainbook.config.data import SourceConfig
+from trainbook.data.chat import chat_document, check_messages, text_pair_document
 from trainbook.errors import TrainbookError
 
 PKG_SCHEME = "pkg://"
@@ -101,6 +102,8 @@ def iter_documents(
         "markdown": _text_documents,
         "jsonl": _jsonl_documents,
         "parquet": _parquet_documents,
+        "chat": _chat_documents,
+        "prompt_completion": _chat_documents,
     }[source.format]
     if source.format == "parquet" and source.compression in ("gzip", "zstd"):
         raise TrainbookError(
@@ -224,10 +227,10 @@ def _split(chunks: Iterator[bytes], separator: bytes | None) -> Iterator[bytes]:
     yield bytes(buffer)
 
 
-def _jsonl_documents(
+def _jsonl_records(
     path: Path, source: SourceConfig, where: str, stats: SourceStats
-) -> Iterator[str]:
-    field = source.text_field
+) -> Iterator[tuple[int, dict]]:
+    """(line number, object) of each non-blank line of a JSONL file."""
     with _open(path, source.compression) as f:
         for number, raw in enumerate(f, start=1):
             stats.bytes_read += len(raw)
@@ -250,35 +253,97 @@ def _jsonl_documents(
                     f"'{path}' line {number}: expected a JSON object, got {type(record).__name__}",
                     where=where,
                 )
-            if field not in record:
+            yield number, record
+
+
+def _field(record: dict, field: str, key: str, path: Path, number: int, where: str):
+    if field not in record:
+        raise TrainbookError(
+            f"'{path}' line {number}: no field '{field}' ({key}); the object has {_names(record)}",
+            where=where,
+        )
+    return record[field]
+
+
+def _chat_documents(
+    path: Path, source: SourceConfig, where: str, stats: SourceStats
+) -> Iterator[str]:
+    for _, document in _chat_records(path, source, where, stats):
+        yield document
+
+
+def _chat_records(
+    path: Path, source: SourceConfig, where: str, stats: SourceStats
+) -> Iterator[tuple[int, str]]:
+    """(line number, canonical JSON document: data/chat.py) of each `chat` or `prompt_completion`
+    record; a record with nothing to train is an error naming its line."""
+    for number, record in _jsonl_records(path, source, where, stats):
+        at = f"'{path}' line {number}: field"
+        if source.format == "chat":
+            field = source.messages_field
+            messages = check_messages(_field(record, field, "messages_field", path, number, where),
+                                      f"{at} '{field}'", where)
+            if not any(m["role"] == "assistant" for m in messages):
+                raise TrainbookError(f"{at} '{field}' has no assistant message: nothing to train", where=where)
+            yield number, chat_document(messages)
+            continue
+        prompt = _field(record, source.prompt_field, "prompt_field", path, number, where)
+        completion = _field(record, source.completion_field, "completion_field", path, number, where)
+        if isinstance(prompt, str) and isinstance(completion, str):
+            if not completion:
+                raise TrainbookError(f"{at} '{source.completion_field}' is empty: nothing to train", where=where)
+            yield number, text_pair_document(prompt, completion)
+            continue
+        if isinstance(prompt, str) or isinstance(completion, str):
+            raise TrainbookError(f"'{path}' line {number}: '{source.prompt_field}' and "
+                                 f"'{source.completion_field}' must both be strings or both message lists",
+                                 where=where)
+        first = check_messages(prompt, f"{at} '{source.prompt_field}'", where)
+        rest = check_messages(completion, f"{at} '{source.completion_field}'", where)
+        if not any(m["role"] == "assistant" for m in rest):
+            raise TrainbookError(f"{at} '{source.completion_field}' has no assistant message: nothing to train",
+                                 where=where)
+        yield number, chat_document(first + rest, completion_from=len(first))
+
+
+def locate_record(source: SourceConfig, document: str, where: str) -> str | None:
+    """"'FILE' line N" of the first `chat`/`prompt_completion` record of `source` whose canonical
+    document is `document` (an error found after reading names its record so); None if none is."""
+    for path in resolve_paths(source.paths, where=f"{where}.paths"):
+        for number, found in _chat_records(path, source, where, SourceStats()):
+            if found == document:
+                return f"'{path}' line {number}"
+    return None
+
+
+def _jsonl_documents(
+    path: Path, source: SourceConfig, where: str, stats: SourceStats
+) -> Iterator[str]:
+    field = source.text_field
+    for number, record in _jsonl_records(path, source, where, stats):
+        text = _field(record, field, "text_field", path, number, where)
+        if not isinstance(text, str):
+            raise TrainbookError(
+                f"'{path}' line {number}: field '{field}' is {type(text).__name__}, "
+                "not a string",
+                where=where,
+            )
+        # JSON escapes can spell lone surrogates ("\udc80"), which are not text either.
+        if _SURROGATE.search(text):
+            if source.on_invalid_utf8 == "fail":
                 raise TrainbookError(
-                    f"'{path}' line {number}: no field '{field}' (text_field); the object has "
-                    f"{_names(record)}",
+                    f"'{path}' line {number}: field '{field}' is not valid UTF-8 "
+                    "(a lone surrogate escape)",
                     where=where,
                 )
-            text = record[field]
-            if not isinstance(text, str):
-                raise TrainbookError(
-                    f"'{path}' line {number}: field '{field}' is {type(text).__name__}, "
-                    "not a string",
-                    where=where,
-                )
-            # JSON escapes can spell lone surrogates ("\udc80"), which are not text either.
-            if _SURROGATE.search(text):
-                if source.on_invalid_utf8 == "fail":
-                    raise TrainbookError(
-                        f"'{path}' line {number}: field '{field}' is not valid UTF-8 "
-                        "(a lone surrogate escape)",
-                        where=where,
-                    )
-                if source.on_invalid_utf8 == "skip":
-                    stats.invalid_utf8_skipped += 1
-                    continue
-                stats.invalid_utf8_replaced += 1
-                text = _SURROGATE.sub("\ufffd", text)
-            document = _trim(text.replace("\r\n", "\n"))
-            if document:
-                yield document
+            if source.on_invalid_utf8 == "skip":
+                stats.invalid_utf8_skipped += 1
+                continue
+            stats.invalid_utf8_replaced += 1
+            text = _SURROGATE.sub("\ufffd", text)
+        document = _trim(text.replace("\r\n", "\n"))
+        if document:
+            yield document
 
 
 _SURROGATE = re.compile("[\ud800-\udfff]")

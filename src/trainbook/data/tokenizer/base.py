@@ -100,6 +100,18 @@ class Tokenizer(ABC):
 
     # --- the interface ----------------------------------------------------------------------
 
+    def encode_offsets(self, text: str, specials: bool) -> tuple[list[int], list[tuple[int, int]]]:
+        """Ids of `text` and each one's character range (chat data, data/chat.py), BOS prepended
+        as `encode` does when not `specials`; with `specials`, special-token strings in the text
+        are control tokens (a chat template's rendering, which places them itself)."""
+        raise TrainbookError(
+            f"chat and prompt_completion data need a tokenizer.json tokenizer (kind 'hf'), not kind '{self.kind}'",
+            where="tokenizer.kind")
+
+    def special_strings(self) -> list[str]:
+        """The special tokens' strings (a chat message may not spell one)."""
+        return [t for t in (self.eos_token, self.bos_token, self.pad_token) if t]
+
     def encode(self, text: str) -> list[int]:
         return self.encode_batch([text])[0]
 

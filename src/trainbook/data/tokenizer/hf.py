@@ -101,6 +101,21 @@ class HFTokenizer(Tokenizer):
     def decode(self, ids: Iterable[int]) -> str:
         return self._hf.decode(list(ids), skip_special_tokens=False)
 
+    def encode_offsets(self, text: str, specials: bool) -> tuple[list[int], list[tuple[int, int]]]:
+        # One pass over the whole text (never cut), as transformers' apply_chat_template encodes.
+        self._hf.encode_special_tokens = not specials
+        try:
+            encoding = self._hf.encode(text, add_special_tokens=False)
+        finally:
+            self._hf.encode_special_tokens = True
+        ids, offsets = list(encoding.ids), [tuple(o) for o in encoding.offsets]
+        if self.add_bos and not specials:
+            ids, offsets = [self.bos_id, *ids], [(0, 0), *offsets]
+        return ids, offsets
+
+    def special_strings(self) -> list[str]:
+        return [t.content for t in self._hf.get_added_tokens_decoder().values() if t.special]
+
 
 # Pieces of about this many characters: short enough for the fast path, long enough that
 # per-piece overhead stays small.
