@@ -102,6 +102,7 @@ def resolve(recipe: Path, overrides: list[str], world_size: int, *, device_memor
     _check_secrets(cfg, where)
     dims = resolve_dims(cfg.parallel, world_size, where)
     _check_model_layout(cfg, dims, where)
+    _check_fine_tuning(cfg, dims, where)
     _check_lora(cfg, dims, where)
     chosen = cfg.train.micro_batch_size == "auto"
     mbs = _auto_micro_batch(cfg, dims, device_memory, where) if chosen else cfg.train.micro_batch_size
@@ -123,7 +124,8 @@ def with_hf_model(cfg: Config) -> Config:
     ours = cfg.model if cfg.model.name == FROM_HF else resolve_model(cfg.model)
     chosen = {k: getattr(ours, k) for k in ("vocab_size", "max_seq_len", "init_std") if getattr(ours, k) is not None}
     model = imported.model_copy(update={**chosen, "init_from": cfg.model.init_from, "resize_init": cfg.model.resize_init})
-    tokenizer = TokenizerConfig(**hf_tokenizer_config(path))
+    # The directory's tokenizer; a chat template the recipe names still overrides the directory's.
+    tokenizer = TokenizerConfig(**hf_tokenizer_config(path), chat_template=cfg.tokenizer.chat_template)
     return cfg.model_copy(update={"model": model, "tokenizer": tokenizer})
 
 
@@ -142,6 +144,36 @@ def _check_lora(cfg: Config, dims: ParallelDims, where: str) -> None:
     except TrainbookError as e:
         e.where = f"{where}: {e.where}"
         raise
+
+
+# `train.loss_on` -> the source formats whose targets it names (auto and all: any format).
+LOSS_ON_FORMATS = {"assistant": ("chat", "prompt_completion"), "last_assistant": ("chat",),
+                   "completion": ("prompt_completion",)}
+
+
+def _check_fine_tuning(cfg: Config, dims: ParallelDims, where: str) -> None:
+    """`train.loss_on` names targets every source has; chat data packs by document, off the pipeline."""
+    formats = LOSS_ON_FORMATS.get(cfg.train.loss_on)
+    for i, source in enumerate(cfg.data.sources):
+        if formats is not None and source.format not in formats:
+            raise TrainbookError(
+                f"'{cfg.train.loss_on}' trains the targets of {' or '.join(formats)} data; source "
+                f"'{source.name}' (data.sources[{i}]) is {source.format} (loss_on = 'auto' trains every token "
+                "of text and the assistant turns of chat)", where=f"{where}: train.loss_on")
+    chat = [s.name for s in cfg.data.sources if s.format in LOSS_ON_FORMATS["assistant"]]
+    if not chat:
+        return
+    if cfg.tokenizer.kind != "hf":  # the chat template's special tokens and character offsets
+        raise TrainbookError(f"chat and prompt_completion data (source '{chat[0]}') need the model's own "
+                             f"tokenizer.json (kind 'hf'), not kind '{cfg.tokenizer.kind}'",
+                             where=f"{where}: tokenizer.kind")
+    if cfg.data.packing != "document":
+        raise TrainbookError(f"chat and prompt_completion data (source '{chat[0]}') pack with data.packing = "
+                             "'document' (positions and attention restart at every conversation)",
+                             where=f"{where}: data.packing")
+    if dims.pp > 1:
+        raise TrainbookError("fine-tuning's masked loss runs on one process, FSDP, DDP or TP; not in a pipeline",
+                             where=f"{where}: parallel.pp")
 
 
 def _check_model_layout(cfg: Config, dims: ParallelDims, where: str) -> None:

@@ -67,6 +67,12 @@ class TrainConfig(Section):
     compile: bool | Literal["auto"] = "auto"
     """Compile each block with `torch.compile` (after tensor parallel, before FSDP). `auto`: where
     it runs and the run is long enough to repay compiling (parallel/compile.py says the rule)."""
+    loss_on: Literal["auto", "all", "assistant", "last_assistant", "completion"] = "auto"
+    """Which targets are trained: `all`; `assistant` (every assistant turn of `chat` data, its
+    end-of-turn token included); `last_assistant` (the last turn only); `completion` (the
+    completion of `prompt_completion` data). `auto`: all for text, assistant for chat,
+    completion for prompt_completion. Whatever it is, no label crosses into the next document
+    of fine-tuning data."""
     loss: Literal["auto", "chunked", "full"] = "auto"
     """Cross entropy from `full` logits, or `chunked` (the head and the loss together, 2048 rows of
     logits at a time, model/loss.py). `auto`: chunked when compiled or when a micro-batch holds

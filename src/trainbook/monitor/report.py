@@ -125,8 +125,8 @@ class StepReport:
     """Where each rank's time went and how long the others waited for it; at the logging cadence,
     with the `straggler` alert on and more than one process (None otherwise)."""
     objective: dict | None = None
-    """What the training objective measured in the step (train/objective.py: the trained-token
-    count of fine-tuning, say); None for next-token pre-training, and then not written."""
+    """What the training objective measured in the step (train/objective.py: fine-tuning's
+    `trained_tokens`), written as keys of the record itself; None for next-token pre-training."""
 
     def metrics_record(self) -> dict:
         """The `metrics.jsonl` line (keys are a contract, see DESIGN.md). A skipped fp16 step's
@@ -134,8 +134,7 @@ class StepReport:
         record = {"kind": "train", **asdict(self)}
         del record["skipped"]  # the running count, skipped_steps, is the recorded fact
         del record["rank_times"]  # the straggler alert's input; the alert is the recorded fact
-        if record["objective"] is None:
-            del record["objective"]
+        record.update(record.pop("objective") or {})
         record["ranks"] = self.ranks.summary() if self.ranks is not None else None
         if record["grad_norm"] != record["grad_norm"] or abs(record["grad_norm"]) == float("inf"):
             record["grad_norm"] = None

@@ -27,6 +27,7 @@ from trainbook.diagnose.phase_memory import PhaseMemory
 from trainbook.diagnose.profile import StepProfiler, device_sync, phase_boundary
 from trainbook.diagnose.triage import StepBatches, Triage
 from trainbook.model import build_model
+from trainbook.model.lora import apply_lora
 from trainbook.model.surgery import freeze, reinit, resize_vocab, trainable_summary
 from trainbook.monitor import EventLog, Monitors, RunInfo, build_monitors, close_run_logger, setup_run_logger
 from trainbook.monitor.health import HealthFile
@@ -40,7 +41,7 @@ from trainbook.runs import RunPaths
 from trainbook.train.bad_steps import BadSteps
 from trainbook.train.engine import LocalEngine, PipelineEngine, lm_loss
 from trainbook.train.fault_hooks import FaultyBatches, attach_block_nan, attach_memory_faults, attach_slow_sync
-from trainbook.train.objective import NextTokenLoss
+from trainbook.train.objective import MaskedTokenLoss, NextTokenLoss, Objective
 from trainbook.train.observers import (
     CheckpointStaging, HealthObserver, LayerStatsObserver, Observers, ProfilerObserver, StepObserver,
     StragglerObserver,
@@ -75,7 +76,7 @@ def build_trainer(settled: Settled, paths: RunPaths, data: Prepared, rt: Runtime
     # Under FSDP its mixed-precision policy casts; elsewhere autocast (parallel/apply.py).
     precision = Precision(cfg.precision, rt.device, fsdp=rt.dims.dp > 1 and cfg.parallel.data_parallel == "fsdp")
     engine, notes, trainable = model_and_engine(cfg, rt, precision, tracker)
-    model, objective = engine.model, NextTokenLoss(settled.accum_steps)
+    model, objective = engine.model, build_objective(data, rt, settled.accum_steps)
 
     logger = setup_run_logger(paths.logs, rank=rt.rank, level=cfg.log.level,
                               retention_days=cfg.log.retention_days)
@@ -105,7 +106,7 @@ def build_trainer(settled: Settled, paths: RunPaths, data: Prepared, rt: Runtime
     reports = StepReports(rt, tracker, loader, delivered, phase_memory, scaler,
                           tokens_per_step=settled.tokens_per_step, flops_per_token=settled.flops_per_token,
                           peak=settled.peak, logged=is_logged, stragglers=stragglers)
-    oom = OutOfMemory(cfg.diagnose, PlanInputs(cfg.model, cfg.train, cfg.parallel, cfg.precision.dtype),
+    oom = OutOfMemory(cfg.diagnose, PlanInputs(cfg.model, cfg.train, cfg.parallel, cfg.precision.dtype, cfg.lora),
                       rt, model, optimizer, paths, events, logger)
     # Last: from here on every rank publishes what it does; a hang stops the run with a verdict.
     watchdog = start_hang_watchdog(cfg.parallel.hang_watch_s, rt, tracker, paths, logger)
@@ -118,6 +119,14 @@ def build_trainer(settled: Settled, paths: RunPaths, data: Prepared, rt: Runtime
         reports=reports, checkpointer=checkpointer, oom=oom, logger=logger, events=events, monitors=monitors,
         closing=closing, notes=notes, trainable=trainable,
     )
+
+
+def build_objective(data: Prepared, rt: Runtime, micro_batches: int) -> Objective:
+    """Next-token loss for text; the masked loss (train/objective.py) for data prepared with loss
+    masks (chat, prompt_completion), whose settings the resolution checked (commands/resolve.py)."""
+    if data.train_masks is None:
+        return NextTokenLoss(micro_batches)
+    return MaskedTokenLoss(micro_batches, rt)
 
 
 def model_and_engine(cfg: Config, rt: Runtime, precision: Precision,
@@ -163,11 +172,12 @@ def full_model(cfg: Config, device: torch.device) -> nn.Module:
 
 
 def surgery(model: nn.Module, cfg: Config) -> tuple[nn.Module, list[str]]:
-    """Fine-tuning surgery (train.reinit, train.freeze); the notes on patterns that match nothing
-    (reported once the run log exists)."""
+    """Fine-tuning surgery (train.reinit, train.freeze, then `[lora]`'s adapters, which freeze
+    the rest); the notes on patterns that match nothing (reported once the run log exists)."""
     unmatched = reinit(model, cfg.train.reinit, cfg.model.init_std, cfg.run.seed + 1)
     unmatched += freeze(model, cfg.train.freeze)
-    return model, [f"pattern {p!r} in train.freeze/train.reinit matches no parameter" for p in unmatched]
+    notes = [f"pattern {p!r} in train.freeze/train.reinit matches no parameter" for p in unmatched]
+    return model, notes + apply_lora(model, cfg.lora, cfg.run.seed + 3)  # adapters on the loaded base
 
 
 def build_engine(model: nn.Module, cfg: Config, rt: Runtime, precision: Precision,
@@ -204,6 +214,7 @@ def build_train_loader(cfg: Config, data: Prepared, rt: Runtime, on_reepoch) -> 
         data.train, {s.name: s.weight for s in d.sources}, t.seq_len, t.micro_batch_size,
         seed=cfg.run.seed, rank=rt.dp_rank, world_size=rt.dims.dp, packing=d.packing,
         eos_id=data.tokenizer.eos_id, num_workers=d.num_workers, pin_memory=pin, on_reepoch=on_reepoch,
+        masks=data.train_masks, loss_on=t.loss_on,
     )
 
 
@@ -232,7 +243,7 @@ def build_val_batches(cfg: Config, data: Prepared) -> list:
     if t.eval_every == 0:
         return []
     return list(val_batches(data.val, t.seq_len, t.micro_batch_size, t.eval_steps, cfg.data.packing,
-                            eos_id=data.tokenizer.eos_id))
+                            eos_id=data.tokenizer.eos_id, masks=data.val_mask, loss_on=t.loss_on))
 
 
 def build_stragglers(cfg: Config, rt: Runtime, tracker: PhaseTracker, is_logged) -> StragglerObserver | None:

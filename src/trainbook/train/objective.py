@@ -5,12 +5,13 @@ the objective for the step's micro-batches, for each micro-batch's loss, and for
 as every rank reports it. `NextTokenLoss`, pre-training's mean next-token cross entropy, is the
 first implementation; the others plug in at the same three places:
 
-- supervised fine-tuning (loss masks): `produce` reads each step's micro-batches ahead and
+- supervised fine-tuning (loss masks; `MaskedTokenLoss` below): `produce` reads each step's micro-batches ahead and
   all-reduces their trained-token count (every micro-batch, every data-parallel rank); `loss`
   sums the cross entropy of the trained tokens only, with that count over the data-parallel
   size as its divisor (the ranks' gradients are averaged), so the update is the gradient of the
   global per-token mean whatever the padding; `finish` divides the sum likewise, and `figures`
-  reports the count (tests/unit/train/test_objective.py plugs in exactly this shape).
+  reports the count (tests/unit/train/test_objective.py: micro-batch 1 x accumulation 8 gives
+  the gradients of micro-batch 8 x accumulation 1).
 - preference pairs (DPO): `produce` adds the reference model's per-sequence log-probability sums
   of each pair's chosen and rejected completion (a frozen copy, forward only); `loss` computes
   the policy's sums from the logits and the pairwise loss against the reference's.
@@ -33,6 +34,8 @@ import torch
 from torch import nn
 
 from trainbook.data.loader import Batch
+from trainbook.model.loss import IGNORE
+from trainbook.parallel.runtime import Runtime
 
 
 @dataclass(frozen=True)
@@ -76,6 +79,19 @@ def loss_of(model: nn.Module, batch: Batch) -> torch.Tensor:
     return model(batch.inputs, batch.positions, targets=batch.targets)
 
 
+def masked_loss_sum(model: nn.Module, batch: Batch) -> torch.Tensor:
+    """The summed next-token loss of the batch's trained targets (`loss_mask`; none: all): the
+    others are `IGNORE`, so they add nothing and their logits get no gradient."""
+    targets = batch.targets if batch.loss_mask is None else torch.where(batch.loss_mask, batch.targets, IGNORE)
+    if batch.positions is None:
+        return model(batch.inputs, targets=targets, masked=True)
+    return model(batch.inputs, batch.positions, targets=targets, masked=True)
+
+
+def trained_tokens(batch: Batch) -> int:
+    return batch.targets.numel() if batch.loss_mask is None else int(batch.loss_mask.sum())
+
+
 class NextTokenLoss:
     """Pre-training: every token predicts the next; the step's loss is the mean of its
     micro-batches' mean losses (they hold the same number of tokens), each micro-batch carrying
@@ -98,3 +114,44 @@ class NextTokenLoss:
 
     def figures(self) -> dict:
         return {}
+
+
+class MaskedTokenLoss:
+    """Supervised fine-tuning: only the targets of a batch's `loss_mask` are trained (the
+    assistant's turns, a completion), and the step's loss is their mean over the whole global
+    batch: the sum over every trained token of every micro-batch and data-parallel rank, over
+    their count. So a micro-batch holding one trained token weighs one token, not one
+    micro-batch (the accumulation bug of per-micro-batch means), and padding or prompts weigh
+    nothing.
+
+    `produce` reads each step's micro-batches ahead and all-reduces their count; each rank's
+    backward runs on its sum over count / dp, which the data-parallel gradient average turns
+    into the global mean. A step without a trained token trains nothing (its loss is 0).
+    """
+
+    def __init__(self, micro_batches: int, rt: Runtime):
+        self.micro_batches, self.rt = micro_batches, rt
+        self.count = 0
+        self.divisor = 1.0
+
+    def produce(self, batches: Iterator[Batch]) -> Iterator[Batch]:
+        rt = self.rt
+        while True:
+            step = [next(batches) for _ in range(self.micro_batches)]
+            local = torch.tensor(float(sum(trained_tokens(b) for b in step)), device=rt.device)
+            # Tensor-parallel ranks read the same batches: their copies count once.
+            self.count = round(rt.all_reduce_mean(local, over=rt.dims.tp).item())
+            self.divisor = max(self.count, 1) / rt.dims.dp
+            yield from step
+
+    def loss(self, model: nn.Module, batch: Batch) -> MicroLoss:
+        return MicroLoss(masked_loss_sum(model, batch), self.divisor)
+
+    def eval_loss(self, model: nn.Module, batch: Batch) -> torch.Tensor:
+        return masked_loss_sum(model, batch) / max(trained_tokens(batch), 1)
+
+    def finish(self, loss_sum: torch.Tensor, micro_batches: int) -> torch.Tensor:
+        return loss_sum / self.divisor
+
+    def figures(self) -> dict:
+        return {"trained_tokens": self.count}
