@@ -177,6 +177,7 @@ BLOCKS = {
     "$ trainbook run train.micro_batch_size=8 --nproc 2": ("compared", "tests/e2e/test_readme_output.py"),
     "[model]": ("input", "a recipe's section"),
     "[lora]": ("input", "a recipe's section"),
+    "[[data.sources]]": ("input", "a recipe's sections"),
     "trainbook export RUN --format peft": ("input", "commands"),
     "# my-recipe.toml": ("compared", "tests/e2e/test_tutorial.py"),
     "trainbook check my-recipe.toml": ("compared", "tests/e2e/test_tutorial.py"),
