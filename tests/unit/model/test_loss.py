@@ -179,3 +179,26 @@ def test_evaluation_computes_the_training_loss_and_no_gradient(dtype, compiled):
         assert (training.matmuls, evaluation.matmuls) == (3 * 3, 3)
     grad_shapes = {((300, 32), torch.float32), ((97, 32), torch.float32)}
     assert grad_shapes <= training.shapes and not grad_shapes & evaluation.shapes
+
+
+@pytest.mark.parametrize("masked", [False, True], ids=["mean", "masked"])
+def test_the_chunk_gradient_makes_no_one_hot_and_is_softmax_minus_one_hot_bit_for_bit(masked):
+    """d loss / d logits of a chunk, eager: the one subtracted at each target in place is the
+    same arithmetic as subtracting a one-hot (the bits of every run and baseline stay), and no
+    tensor of the chunk's (C, V) shape other than fp32 is made: a one-hot (int64 then fp32) is
+    2 GiB and 1 GiB a chunk at a 128K vocabulary, and was most of the eager chunk's time."""
+    from trainbook.model.loss import IGNORE, _softmax_minus_one_hot
+
+    g = torch.Generator().manual_seed(3)
+    logits = torch.randn(64, 97, generator=g) * 4
+    targets = torch.randint(0, 97, (64,), generator=g)
+    if masked:
+        targets[::3] = IGNORE
+    lse = torch.logsumexp(logits, dim=-1)
+    want = torch.exp(logits - lse[:, None]) - F.one_hot(targets.clamp(min=0), 97).float()
+    if masked:
+        want = torch.where((targets >= 0)[:, None], want, 0.0)
+    with _Ops() as ops:
+        got = _softmax_minus_one_hot(logits, lse, targets, masked)
+    assert torch.equal(got, want)
+    assert {dtype for shape, dtype in ops.shapes if shape == (64, 97)} == {torch.float32}
