@@ -34,3 +34,10 @@ def test_the_accelerator_suite_refuses_an_unknown_argument(tmp_path):
     done = subprocess.run(["bash", str(ROOT / "benchmarks/accelerator.sh"), "--fast"], cwd=tmp_path,
                           capture_output=True, text=True, timeout=60)
     assert done.returncode == 2 and "unknown argument --fast" in done.stderr
+
+
+def test_the_accelerator_suite_refuses_an_unknown_leg(tmp_path):
+    done = subprocess.run(["bash", str(ROOT / "benchmarks/accelerator.sh"), "--legs", "bench,gpu"], cwd=tmp_path,
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2 and "unknown leg gpu in --legs" in done.stderr
+    assert list(tmp_path.iterdir()) == []
