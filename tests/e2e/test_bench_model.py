@@ -43,3 +43,23 @@ def test_bench_model_reports_rate_mfu_split_and_memory_without_data(tmp_path, na
 def test_bench_model_refuses_bad_input_in_one_line(recipe, tmp_path):
     line = run_cli_error("bench", "model", str(recipe), "train.compile=sometimes", cwd=tmp_path)
     assert "train.compile" in line
+
+
+def test_bench_model_applies_lora_as_a_run_does(tmp_path):
+    """`[lora]` in the recipe: the model is benched with its adapters and its base frozen, as a run
+    trains it, and the plan beside it is LoRA's (the frozen base without gradients or optimizer
+    state), so LoRA and full training compare on one recipe."""
+    from trainbook.config import LoraConfig
+    from trainbook.model.lora import apply_lora
+    from trainbook.model.surgery import trainable_summary
+
+    recipe = write_recipe(tmp_path / "unit.toml", tmp_path / "no-such-corpus")
+    out = tmp_path / "bench.json"
+    done = run_cli("bench", "model", str(recipe), "lora.rank=4", "lora.targets=wq,wv", "train.micro_batch_size=2",
+                   "train.compile=false", "--steps", "2", "--json", str(out), cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    b = json.loads(out.read_text())
+    model = build_model(resolve(ModelConfig(name="debug", vocab_size=512)), "meta", 0)  # the recipe's
+    apply_lora(model, LoraConfig(rank=4, targets=["wq", "wv"]), 0)
+    assert b["trainable"] == trainable_summary(model) and "LoRA" in b["trainable"]
+    assert b["params"] == num_params(model) and f"  {b['trainable']}" in done.stdout

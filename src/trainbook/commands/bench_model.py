@@ -26,6 +26,7 @@ from trainbook.data.loader import Batch
 from trainbook.diagnose.profile import device_sync, phase_boundary
 from trainbook.errors import TrainbookError
 from trainbook.model import build_model, flops_per_token, num_params
+from trainbook.model.surgery import trainable_summary
 from trainbook.monitor.flops import TFLOPS, device_peak, mfu
 from trainbook.parallel import pick_device
 from trainbook.parallel.apply import ApplyOptions, parallelize
@@ -38,6 +39,7 @@ from trainbook.parallel.runtime import Runtime
 from trainbook.phase import PhaseTracker
 from trainbook.precision import Precision
 from trainbook.sizes import human
+from trainbook.train.build import surgery
 from trainbook.train.engine import LocalEngine
 from trainbook.train.optim import build_optimizer
 from trainbook.train.step import Step
@@ -49,6 +51,8 @@ ONE = ParallelDims(1, 1, 1, 1)
 class ModelBench:
     model: str
     params: int
+    trainable: str
+    """What trains: all of it, or what `train.freeze` and `[lora]` leave (model/surgery.py)."""
     device: str
     dtype: str
     tokens_per_step: int
@@ -101,7 +105,9 @@ def bench_model(cfg: Config, device: torch.device, steps: int = 5) -> ModelBench
                     steps=t.max_steps, peak_flops=peak.flops if peak else None,
                     micro_tokens=t.micro_batch_size * t.seq_len)
     torch.manual_seed(cfg.run.seed)
-    model = build_model(cfg.model, device, seed=cfg.run.seed)
+    # Fine-tuning surgery as a run applies it (train.freeze, `[lora]`): frozen weights take no
+    # gradient and no optimizer state, so LoRA is measured against full training on one recipe.
+    model, _ = surgery(build_model(cfg.model, device, seed=cfg.run.seed), cfg)
     precision = Precision(cfg.precision, device)
     parallelize(model, ONE, None, ApplyOptions(t.activation_checkpoint, choice.compile, loss=choice.loss))
     tracker = PhaseTracker()
@@ -127,9 +133,9 @@ def bench_model(cfg: Config, device: torch.device, steps: int = 5) -> ModelBench
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     step_s, phases = _median_step([step() for _ in range(steps)])
-    plan = memory_estimates([(PlanInputs(cfg.model, t, cfg.parallel, cfg.precision.dtype), ONE)], None)[0]
+    plan = memory_estimates([(PlanInputs(cfg.model, t, cfg.parallel, cfg.precision.dtype, cfg.lora), ONE)], None)[0]
     return ModelBench(
-        model=cfg.model.name or "model", params=num_params(model), device=str(device), dtype=cfg.precision.dtype,
+        model=cfg.model.name or "model", params=num_params(model), trainable=trainable_summary(model), device=str(device), dtype=cfg.precision.dtype,
         tokens_per_step=tokens_per_step, compile=choice.compile, loss=choice.loss, choice=choice.reason,
         first_step_s=first, step_s=step_s, tokens_per_s=tokens_per_step / step_s,
         mfu=mfu(tokens_per_step / step_s, token_flops, peak, 1),
@@ -156,6 +162,7 @@ def render(b: ModelBench) -> str:
              if b.compile else f"first step {b.first_step_s:.2f} s (not counted)")
     return "\n".join([
         f"bench model {b.model}: {b.params:,} parameters, {b.tokens_per_step:,} tokens a step, {b.dtype} on {b.device}",
+        f"  {b.trainable}",
         b.choice,
         first,
         f"{b.steps} steps, median {b.step_s:.3g} s: {b.tokens_per_s:,.0f} tokens/s, {mfu_text}",
