@@ -16,7 +16,7 @@ from pathlib import Path
 
 from trainbook.checkpoint import InvalidCheckpoint, newest_valid, read_latest, step_of, verify
 from trainbook.commands.resolve import Resolved
-from trainbook.config import Config, dotted_keys, redact_tree
+from trainbook.config import Config, dotted_keys, redact_tree, with_defaults
 from trainbook.config.load import COMMAND_LINE
 from trainbook.data import Prepared, check_train_split, check_val_split, prepare
 from trainbook.diagnose.preflight import disk_row, version_rows
@@ -167,6 +167,8 @@ def check_compatible(manifest: dict, cfg: Config, where: str) -> None:
 
 
 def config_changes(saved: dict, cfg: Config) -> dict[str, tuple]:
-    """Flat `section.key` -> (checkpoint's value, this run's value) for every value that differs."""
-    old, new = dotted_keys(config_as_built(saved)), dotted_keys(redact_tree(cfg.model_dump(mode="json")))  # as manifests hold it
+    """Flat `section.key` -> (checkpoint's value, this run's value) for every value that differs; a
+    key added since the checkpoint was written counts as its default (`with_defaults`)."""
+    old = dotted_keys(config_as_built(with_defaults(saved)))
+    new = dotted_keys(redact_tree(cfg.model_dump(mode="json")))  # as manifests hold it
     return {k: (old.get(k), new.get(k)) for k in sorted(old.keys() | new.keys()) if old.get(k) != new.get(k)}

@@ -13,7 +13,7 @@ import json
 from pathlib import Path
 
 from trainbook.commands.recipe import baseline_path, default_recipe, recipe_and_overrides, run_in_subprocess
-from trainbook.config import dotted_keys, load_config
+from trainbook.config import dotted_keys, load_config, with_defaults
 from trainbook.errors import TrainbookError
 from trainbook.model.families import config_as_built
 from trainbook.monitor.archive import RunRecord, is_run_dir, load_run
@@ -114,8 +114,9 @@ def judged_text(head: list[str], run: RunRecord, baseline: dict, steps: int | No
 
 
 def config_differences(run: RunRecord, baseline_config: dict) -> list[str]:
-    """`key value (baseline value)` for each key that can change the numbers."""
-    here, there = dotted_keys(run.config), dotted_keys(config_as_built(baseline_config))
+    """`key value (baseline value)` for each key that can change the numbers. Keys added since the
+    baseline was written are compared with their defaults (`with_defaults`)."""
+    here, there = dotted_keys(run.config), dotted_keys(config_as_built(with_defaults(baseline_config)))
     out = []
     for key in sorted(set(here) | set(there)):
         if key.startswith(NUMERICALLY_INERT) or here.get(key) == there.get(key):

@@ -206,6 +206,34 @@ def _unknown_key(name: str, model: type[BaseModel] | None) -> str:
     return f"unknown key {name!r}{hint}"
 
 
+def with_defaults(tree: dict) -> dict:
+    """A saved config tree (a run's, a checkpoint manifest's, a baseline's) completed with the
+    defaults of keys added since it was written, as `dump_toml` writes them, so that it compares
+    equal to the same recipe today: each section is read back through its schema. A section that
+    no longer validates (a key since renamed, a redacted secret) is kept as saved."""
+    out = dict(tree)
+    for name, field in Config.model_fields.items():
+        section = field.annotation
+        if not (isinstance(section, type) and issubclass(section, BaseModel)):
+            continue  # `expect`, a list: kept as saved
+        try:
+            full = section.model_validate(tree.get(name, {})).model_dump(mode="json", exclude_none=True)
+        except ValidationError:
+            continue
+        out[name] = _fill(tree[name], full) if name in tree else full
+    return out
+
+
+def _fill(saved: Any, full: Any) -> Any:
+    """`saved` with the keys of `full` it lacks, in tables and in lists of tables (a source's new
+    keys); whatever `saved` holds stays as saved, an unset (None) value too."""
+    if isinstance(saved, dict) and isinstance(full, dict):
+        return {**full, **{k: _fill(v, full.get(k)) for k, v in saved.items()}}
+    if isinstance(saved, list) and isinstance(full, list) and len(saved) == len(full):
+        return [_fill(a, b) for a, b in zip(saved, full)]
+    return saved
+
+
 def dotted_keys(tree: dict, prefix: str = "") -> dict:
     """Nested dicts -> one level keyed by dotted paths: {"optim": {"lr": 1e-3}} -> {"optim.lr": 1e-3}.
 

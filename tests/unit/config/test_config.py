@@ -135,3 +135,20 @@ def test_every_field_is_documented():
             model = typing.get_args(model)[0]
         for name, field in model.model_fields.items():
             assert field.description, f"{section_name}.{name} has no docstring"
+
+
+def test_a_config_saved_before_a_key_existed_compares_equal_with_its_default():
+    """A run, checkpoint or baseline written before `[lora]`, `train.loss_on` and a source's
+    `messages_field` existed reads back with their defaults (`with_defaults`), so `verify` and
+    resume see the same recipe, not a changed one; a changed value still shows."""
+    from trainbook.config import Config, dotted_keys, with_defaults
+
+    today = Config.model_validate({"data": {"sources": [{"name": "a", "paths": ["x.txt"]}]}}).model_dump(
+        mode="json", exclude_none=True)
+    old = {k: v for k, v in today.items() if k != "lora"}
+    old["train"] = {k: v for k, v in today["train"].items() if k != "loss_on"}
+    old["data"] = {**today["data"], "sources": [{k: v for k, v in today["data"]["sources"][0].items()
+                                                  if k not in ("messages_field", "prompt_field", "completion_field")}]}
+    assert dotted_keys(with_defaults(old)) == dotted_keys(today)
+    old["optim"] = {**today["optim"], "lr": 0.5}
+    assert dotted_keys(with_defaults(old))["optim.lr"] == 0.5
