@@ -33,6 +33,7 @@ from __future__ import annotations
 import json
 import re
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 from pathlib import Path
 
 import jinja2
@@ -41,7 +42,11 @@ from jinja2 import nodes
 from jinja2.ext import Extension
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
+from trainbook.config.data import DataConfig, TokenizerConfig
 from trainbook.errors import TrainbookError, one_line
+
+if TYPE_CHECKING:
+    from trainbook.data.tokenizer import Tokenizer
 
 ROLES = ("system", "user", "assistant", "tool")
 CHAT_FORMATS = ("chat", "prompt_completion")
@@ -293,3 +298,30 @@ class ChatEncoder:
                     f"a {m['role']} message spells the special token {found!r} "
                     f"(\"{snippet}...\"); in a template's rendering it would be a control token, not text",
                     where=where)
+
+
+def has_chat(data: DataConfig) -> bool:
+    """Whether any source is conversations (a template and mask shards are needed)."""
+    return any(s.format in CHAT_FORMATS for s in data.sources)
+
+
+def optional_template(tok: TokenizerConfig) -> tuple[str, str] | None:
+    """(template text, where it came from), or None when the tokenizer has none and none is named."""
+    try:
+        return template_source(tok.chat_template, tok.path)
+    except TrainbookError:
+        if tok.chat_template is not None:  # a file named but not readable
+            raise
+        return None
+
+
+def chat_encoder(data: DataConfig, tok: TokenizerConfig, tokenizer: Tokenizer) -> ChatEncoder:
+    """The encoder of chat documents: the recipe's template and the tokenizer. Without a
+    template only string prompt_completion records can be encoded: a `chat` source is refused
+    here, before any record is read; a conversational prompt_completion record, when met."""
+    found = optional_template(tok)
+    if found is None and any(s.format == "chat" for s in data.sources):
+        template_source(tok.chat_template, tok.path)  # raises: why there is none, and what to set
+    template = None if found is None else ChatTemplate(found[0], found[1], bos_token=tokenizer.bos_token,
+                                                       eos_token=tokenizer.eos_token)
+    return ChatEncoder(template, tokenizer)

@@ -33,7 +33,7 @@ import tokenizers
 
 from trainbook.atomic import atomic_write_json
 from trainbook.config.data import DataConfig, TokenizerConfig
-from trainbook.data.chat import CHAT_FORMAT, CHAT_FORMATS, ChatEncoder, ChatTemplate, template_source, text_bits
+from trainbook.data.chat import CHAT_FORMAT, CHAT_FORMATS, ChatEncoder, chat_encoder, has_chat, optional_template, text_bits
 from trainbook.data.documents import Document, DocumentStream
 from trainbook.data.shards import ShardWriter, TokenStream, token_dtype, verify_shard
 from trainbook.data.sources import locate_record, resolve_paths
@@ -155,7 +155,7 @@ def cache_key(data: DataConfig, tok: TokenizerConfig, *, seed: int, inputs: list
         "inputs": inputs,
     }
     if has_chat(data):  # the template decides the ids and the masks
-        template = _optional_template(tok)
+        template = optional_template(tok)
         payload["chat"] = {"format": CHAT_FORMAT,
                            "template_sha256": template and hashlib.sha256(template[0].encode()).hexdigest()}
     return hashlib.sha256(json.dumps(payload, sort_keys=True).encode("utf-8")).hexdigest()
@@ -224,31 +224,6 @@ def _encode_chat(encoder: ChatEncoder, data: DataConfig, doc: Document) -> tuple
             e.message = f"{record}: {e.message}"
             e.args = (e.message,)
         raise
-
-
-def has_chat(data: DataConfig) -> bool:
-    return any(s.format in CHAT_FORMATS for s in data.sources)
-
-
-def _optional_template(tok: TokenizerConfig) -> tuple[str, str] | None:
-    try:
-        return template_source(tok.chat_template, tok.path)
-    except TrainbookError:
-        if tok.chat_template is not None:  # a file named but not readable
-            raise
-        return None
-
-
-def chat_encoder(data: DataConfig, tok: TokenizerConfig, tokenizer: Tokenizer) -> ChatEncoder:
-    """The encoder of chat documents: the recipe's template and the tokenizer. Without a
-    template only string prompt_completion records can be encoded: a `chat` source is refused
-    here, before any record is read; a conversational prompt_completion record, when met."""
-    found = _optional_template(tok)
-    if found is None and any(s.format == "chat" for s in data.sources):
-        template_source(tok.chat_template, tok.path)  # raises: why there is none, and what to set
-    template = None if found is None else ChatTemplate(found[0], found[1], bos_token=tokenizer.bos_token,
-                                                       eos_token=tokenizer.eos_token)
-    return ChatEncoder(template, tokenizer)
 
 
 def _tokenized_chunks(
