@@ -159,7 +159,8 @@ def test_bad_fine_tuning_settings_are_refused_before_reading(tmp_path):
         "turns of chat)")
     assert _bad(tmp_path, good, "data.packing=concat") == (
         f"trainbook: error: {recipe}: data.packing: chat and prompt_completion data (source 'chat') pack with "
-        "data.packing = 'document' (positions and attention restart at every conversation)")
+        "data.packing = 'document' (positions and attention restart at every conversation) or 'pad' "
+        "(one conversation per sample)")
     assert _bad(tmp_path, good, "tokenizer.kind=train_bpe") == (
         f"trainbook: error: {recipe}: tokenizer.kind: chat and prompt_completion data (source 'chat') need the "
         "model's own tokenizer.json (kind 'hf'), not kind 'train_bpe'")

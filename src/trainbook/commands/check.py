@@ -133,9 +133,9 @@ def data_rows(res: Resolved, device: torch.device | None, path: Path, overrides:
     rows = [_prepared_row(data, cfg.data.cache_dir)]
     t = cfg.train
     try:
-        check_train_split(data.train, t.seq_len, t.micro_batch_size, res.dims.dp)
+        check_train_split(data.train, t.seq_len, t.micro_batch_size, res.dims.dp, cfg.data.packing)
         if t.eval_every > 0:
-            check_val_split(data.val, t.seq_len)
+            check_val_split(data.val, t.seq_len, cfg.data.packing)
     except TrainbookError as e:
         rows.append(Row("batch", "fail", e.message, "more data, or a smaller train.seq_len / micro_batch_size",
                         e.where))

@@ -18,7 +18,7 @@ from trainbook.checkpoint import InvalidCheckpoint, newest_valid, read_latest, s
 from trainbook.commands.resolve import Resolved
 from trainbook.config import Config, dotted_keys, redact_tree, with_defaults
 from trainbook.config.load import COMMAND_LINE
-from trainbook.data import Prepared, check_train_split, check_val_split, prepare
+from trainbook.data import Prepared, check_train_split, check_val_split, padding_report, prepare
 from trainbook.diagnose.preflight import disk_row, version_rows
 from trainbook.errors import TrainbookError
 from trainbook.model.families import config_as_built, with_options
@@ -42,14 +42,16 @@ def prepare_data(res: Resolved, log=print) -> Prepared:
             f"{cfg.model.vocab_size} embedding rows",
             where=f"{where}: model.vocab_size",
         )
-    t = cfg.train
+    t, packing = cfg.train, cfg.data.packing
     try:
-        check_train_split(data.train, t.seq_len, t.micro_batch_size, res.dims.dp)
+        check_train_split(data.train, t.seq_len, t.micro_batch_size, res.dims.dp, packing)
         if t.eval_every > 0:
-            check_val_split(data.val, t.seq_len)
+            check_val_split(data.val, t.seq_len, packing)
     except TrainbookError as e:
         e.where = f"{where}: {e.where}"
         raise
+    if packing == "pad":  # once, before training: what padding costs, what is cut
+        log(padding_report(list(data.train.values()), t.seq_len).line())
     return data
 
 

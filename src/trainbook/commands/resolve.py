@@ -162,15 +162,18 @@ def _check_fine_tuning(cfg: Config, dims: ParallelDims, where: str) -> None:
                 "of text and the assistant turns of chat)", where=f"{where}: train.loss_on")
     chat = [s.name for s in cfg.data.sources if s.format in LOSS_ON_FORMATS["assistant"]]
     if not chat:
+        if cfg.data.packing == "pad":  # text's loss has no mask to leave the padding out of
+            raise TrainbookError("data.packing = 'pad' pads conversations (chat or prompt_completion sources); "
+                                 "text packs by 'concat' or 'document'", where=f"{where}: data.packing")
         return
     if cfg.tokenizer.kind != "hf":  # the chat template's special tokens and character offsets
         raise TrainbookError(f"chat and prompt_completion data (source '{chat[0]}') need the model's own "
                              f"tokenizer.json (kind 'hf'), not kind '{cfg.tokenizer.kind}'",
                              where=f"{where}: tokenizer.kind")
-    if cfg.data.packing != "document":
+    if cfg.data.packing == "concat":
         raise TrainbookError(f"chat and prompt_completion data (source '{chat[0]}') pack with data.packing = "
-                             "'document' (positions and attention restart at every conversation)",
-                             where=f"{where}: data.packing")
+                             "'document' (positions and attention restart at every conversation) or 'pad' "
+                             "(one conversation per sample)", where=f"{where}: data.packing")
     if dims.pp > 1:
         raise TrainbookError("fine-tuning's masked loss runs on one process, FSDP, DDP or TP; not in a pipeline",
                              where=f"{where}: parallel.pp")

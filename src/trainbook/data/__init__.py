@@ -4,11 +4,11 @@
 train/val streams; `TrainLoader` and `val_batches` cut them into (inputs, targets) batches.
 """
 
-from trainbook.data.loader import TrainLoader, check_train_split, check_val_split, val_batches
+from trainbook.data.loader import TrainLoader, check_train_split, check_val_split, padding_report, val_batches
 from trainbook.data.prepare import Prepared, find_prepared, prepare
 from trainbook.data.tokenizer import Tokenizer, hf_tokenizer_config
 
 __all__ = [
     "Prepared", "Tokenizer", "TrainLoader", "check_train_split", "check_val_split", "find_prepared", "hf_tokenizer_config",
-    "prepare", "val_batches",
+    "padding_report", "prepare", "val_batches",
 ]

@@ -11,6 +11,17 @@ for pretraining). With `packing="document"` the batch also carries `positions` (
 window's first token and at every token that follows an EOS, counting up from there; the model
 then restarts RoPE positions and stops attention at those boundaries (model/llama.py).
 
+With `packing="pad"` a sample is one document instead (fine-tuning on conversations): sample i
+is document i of the stream (its EOS included), right-padded to seq_len + 1 tokens:
+
+    sample i = doc_i[:T + 1] + [pad] * (T + 1 - len(doc_i))      (pad: the EOS id)
+
+Its targets past the document's last token are never trained (the loss mask is 0 there), and
+under causal attention the document's tokens, which come first, never see the padding; no
+`positions` are needed, each row starts at position 0. A document longer than T + 1 tokens is
+cut to its first T + 1 (its later targets are not trained): `PaddingReport` counts them and
+the waste, the share of the B x T positions whose target is padding; the pre-flight prints it.
+
 Order. `mixture.MixtureOrder` maps every global sample index g to (source, sample) as a pure
 function of (weights, source sizes, seed): weighted stride-scheduled interleave of the sources,
 a fresh seeded permutation per epoch of each source (see its module docstring). Each batch
@@ -45,7 +56,7 @@ from trainbook.data.mixture import MixtureOrder
 from trainbook.data.shards import TokenStream
 from trainbook.errors import TrainbookError
 
-PACKINGS = ("concat", "document")
+PACKINGS = ("concat", "document", "pad")
 
 
 class Batch(NamedTuple):
@@ -56,9 +67,30 @@ class Batch(NamedTuple):
     loss_mask: torch.Tensor | None = None  # (B, T) bool: the targets trained (fine-tuning), else None: all
 
 
-def num_samples(stream: TokenStream, seq_len: int) -> int:
-    """Samples of seq_len + 1 tokens (overlapping by one) that fit in the stream."""
+def num_samples(stream: TokenStream, seq_len: int, packing: str = "concat") -> int:
+    """Samples of seq_len + 1 tokens (overlapping by one) that fit in the stream; with pad
+    packing, its documents."""
+    if packing == "pad":
+        return len(stream.documents()[0])
     return max(0, (len(stream) - 1) // seq_len)
+
+
+def read_samples(stream: TokenStream, masks: TokenStream | None, sample_ids: np.ndarray, seq_len: int,
+                 pad_id: int | None) -> tuple[np.ndarray, np.ndarray | None, np.ndarray | None]:
+    """Samples `sample_ids` (B,) as (tokens (B, T+1), mask bytes (B, T+1) or None, lengths):
+    windows of the stream (`pad_id` None; lengths None), or documents right-padded with
+    `pad_id` (pad packing; lengths (B,): each row's real tokens, at most T + 1)."""
+    if pad_id is None:
+        starts = sample_ids * seq_len
+        return (stream.take(starts, seq_len + 1),
+                None if masks is None else masks.take(starts, seq_len + 1), None)
+    doc_starts, doc_lengths = stream.documents()
+    starts, lengths = doc_starts[sample_ids], np.minimum(doc_lengths[sample_ids], seq_len + 1)  # (B,)
+    real = np.arange(seq_len + 1) < lengths[:, None]  # (B, T+1)
+    positions = np.where(real, starts[:, None] + np.arange(seq_len + 1), starts[:, None])
+    tokens = np.where(real, stream.gather(positions), pad_id)
+    bits = None if masks is None else np.where(real, masks.gather(positions), 0).astype(np.uint8)
+    return tokens, bits, lengths
 
 
 def document_positions(inputs: np.ndarray, eos_id: int, bits: np.ndarray | None = None) -> np.ndarray:
@@ -85,21 +117,28 @@ def loss_select(loss_on: str) -> int:
     return {"all": 0, "last_assistant": LAST}.get(loss_on, TRAINED)
 
 
-def loss_mask(bits: np.ndarray, select: int) -> np.ndarray:
+def loss_mask(bits: np.ndarray, select: int, lengths: np.ndarray | None = None) -> np.ndarray:
     """Mask bytes (B, T+1) -> the trained targets (B, T) bool: those carrying `select` (0: all),
-    never the first token of a document (no label crosses into the next one)."""
+    never the first token of a document (no label crosses into the next one), and with pad
+    packing's `lengths` (B,) never a target past a row's real tokens (padding)."""
     target = bits[:, 1:]
     trained = (target & select) != 0 if select else np.ones(target.shape, dtype=bool)
-    return trained & ((target & DOC_START) == 0)
+    trained &= (target & DOC_START) == 0
+    if lengths is not None:
+        trained &= np.arange(1, target.shape[1] + 1) < lengths[:, None]
+    return trained
 
 
-def to_batch(tokens: np.ndarray, eos_id: int | None, bits: np.ndarray | None = None, select: int = TRAINED) -> Batch:
+def to_batch(tokens: np.ndarray, eos_id: int | None, bits: np.ndarray | None = None, select: int = TRAINED,
+             lengths: np.ndarray | None = None) -> Batch:
     """tokens (B, T+1) -> Batch; positions when `eos_id` is given (document packing); the loss
-    mask when chat data's mask `bits` (B, T+1) are."""
+    mask when chat data's mask `bits` (B, T+1) are, padding excluded by pad packing's `lengths`."""
     tokens = np.asarray(tokens, dtype=np.int64)
     positions = None if eos_id is None else torch.from_numpy(
         document_positions(tokens[:, :-1], eos_id, None if bits is None else bits[:, :-1]))
-    mask = None if bits is None else torch.from_numpy(loss_mask(bits, select))
+    if bits is None and lengths is not None:  # every real target of text is trained
+        bits = np.full(tokens.shape, TRAINED | LAST, dtype=np.uint8)
+    mask = None if bits is None else torch.from_numpy(loss_mask(bits, select, lengths))
     tokens = torch.from_numpy(tokens)
     # Two contiguous tensors rather than two strided views of one: callers may .view() them.
     return Batch(tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous(), positions, loss_mask=mask)
@@ -107,12 +146,12 @@ def to_batch(tokens: np.ndarray, eos_id: int | None, bits: np.ndarray | None = N
 
 def make_batch(
     stream: TokenStream, sample_ids: np.ndarray, seq_len: int, eos_id: int | None = None,
-    masks: TokenStream | None = None, select: int = TRAINED,
+    masks: TokenStream | None = None, select: int = TRAINED, pad_id: int | None = None,
 ) -> Batch:
-    """Read samples `sample_ids` (shape (B,)) of one stream (and its mask bytes) as a Batch."""
-    starts = sample_ids * seq_len
-    bits = None if masks is None else masks.take(starts, seq_len + 1)
-    return to_batch(stream.take(starts, seq_len + 1), eos_id, bits, select)  # (B, T+1)
+    """Read samples `sample_ids` (shape (B,)) of one stream (and its mask bytes) as a Batch;
+    documents padded with `pad_id` when it is given (pad packing)."""
+    tokens, bits, lengths = read_samples(stream, masks, sample_ids, seq_len, pad_id)  # (B, T+1)
+    return to_batch(tokens, eos_id, bits, select, lengths)
 
 
 WORKER_ITEM_TOKENS = 1 << 16
@@ -125,8 +164,10 @@ class BatchReader(Dataset):
 
     def __init__(self, streams: dict[str, TokenStream], order: MixtureOrder, seq_len: int,
                  micro_batch_size: int, rank: int, eos_id: int | None,
-                 masks: dict[str, TokenStream] | None = None, select: int = TRAINED):
+                 masks: dict[str, TokenStream] | None = None, select: int = TRAINED,
+                 pad_id: int | None = None):
         self.streams = list(streams.values())  # in `order.names` order
+        self.pad_id = pad_id  # pad packing: samples are documents padded with it
         self.masks = None if masks is None else [masks[name] for name in streams]
         self.select = select
         self.order = order
@@ -140,12 +181,18 @@ class BatchReader(Dataset):
         source, ids = self.order.sample_ids(np.arange(lo, lo + self.micro_batch_size))  # (B,) each
         tokens = np.empty((self.micro_batch_size, self.seq_len + 1), dtype=np.int64)
         bits = None if self.masks is None else np.empty(tokens.shape, dtype=np.uint8)
+        lengths = None if self.pad_id is None else np.empty(self.micro_batch_size, dtype=np.int64)
         for s in np.unique(source):  # one fancy-index read per source in the batch
             rows = source == s
-            tokens[rows] = self.streams[s].take(ids[rows] * self.seq_len, self.seq_len + 1)
+            masks = None if bits is None else self.masks[s]
+            tokens[rows], mask_bits, row_lengths = read_samples(self.streams[s], masks, ids[rows], self.seq_len,
+                                                                self.pad_id)
             if bits is not None:
-                bits[rows] = self.masks[s].take(ids[rows] * self.seq_len, self.seq_len + 1)
-        return to_batch(tokens, self.eos_id, bits, self.select)._replace(sources=torch.from_numpy(source))
+                bits[rows] = mask_bits
+            if lengths is not None:
+                lengths[rows] = row_lengths
+        batch = to_batch(tokens, self.eos_id, bits, self.select, lengths)
+        return batch._replace(sources=torch.from_numpy(source))
 
     def __len__(self) -> int:  # endless in practice; DataLoader asks only for the sampler's items
         return 1 << 62
@@ -226,7 +273,7 @@ class TrainLoader:
                 "different sources", where="data.sources",
             )
         self.names = list(streams)  # recipe order
-        self.samples = check_train_split(streams, seq_len, micro_batch_size, world_size)
+        self.samples = check_train_split(streams, seq_len, micro_batch_size, world_size, packing)
         self.seq_len = seq_len
         self.micro_batch_size = micro_batch_size
         self.rank = rank
@@ -238,7 +285,7 @@ class TrainLoader:
         )
         self.reader = BatchReader(streams, self.order, seq_len, micro_batch_size, rank,
                                   eos_id if packing == "document" else None, masks,
-                                  loss_select(loss_on))
+                                  loss_select(loss_on), eos_id if packing == "pad" else None)
         if pin_memory and not torch.accelerator.is_available():
             warnings.warn("pin_memory=True has no effect without an accelerator", stacklevel=2)
             pin_memory = False
@@ -351,11 +398,44 @@ class DeliveredMix:
         return rows
 
 
+class PaddingReport(NamedTuple):
+    """Pad packing over documents, each once: how many positions are padding, how many cut."""
+
+    documents: int
+    seq_len: int
+    targets: int
+    """Real targets in the samples: sum of min(len - 1, T) (a document's last token has none)."""
+    truncated: int
+    """Documents longer than T + 1 tokens, cut to their first T + 1."""
+    cut: int
+    """Targets those documents lose (never trained)."""
+
+    @property
+    def waste(self) -> float:
+        """The share of the samples' positions (documents x T) whose target is padding."""
+        return 1.0 - self.targets / (self.documents * self.seq_len) if self.documents else 0.0
+
+    def line(self) -> str:
+        cut = (f"; {self.truncated:,} longer than seq_len + 1 = {self.seq_len + 1} tokens are cut there, "
+               f"{self.cut:,} targets never trained (raise train.seq_len to keep them)") if self.truncated else ""
+        return (f"pad packing: {self.documents:,} documents padded to seq_len {self.seq_len}: "
+                f"{self.waste:.1%} of positions are padding{cut}")
+
+
+def padding_report(streams: list[TokenStream], seq_len: int) -> PaddingReport:
+    """`PaddingReport` of every document of `streams`, each once (one epoch of each source)."""
+    lengths = np.concatenate([np.zeros(0, dtype=np.int64)] + [s.documents()[1] for s in streams])  # (D,)
+    targets = lengths - 1
+    over = targets > seq_len
+    return PaddingReport(len(lengths), seq_len, int(np.minimum(targets, seq_len).sum()), int(over.sum()),
+                         int((targets[over] - seq_len).sum()))
+
+
 def check_train_split(streams: dict[str, TokenStream], seq_len: int, micro_batch_size: int,
-                      world_size: int) -> dict[str, int]:
+                      world_size: int, packing: str = "concat") -> dict[str, int]:
     """Samples per source; an error when a source has none or all together hold fewer than one
     batch of `world_size` data-parallel ranks (the pre-flight calls it before any process starts)."""
-    samples = {name: num_samples(stream, seq_len) for name, stream in streams.items()}
+    samples = {name: num_samples(stream, seq_len, packing) for name, stream in streams.items()}
     for name, n in samples.items():
         if n == 0:
             raise TrainbookError(
@@ -375,9 +455,9 @@ def check_train_split(streams: dict[str, TokenStream], seq_len: int, micro_batch
     return samples
 
 
-def check_val_split(stream: TokenStream, seq_len: int) -> int:
+def check_val_split(stream: TokenStream, seq_len: int, packing: str = "concat") -> int:
     """Samples in the validation split; an error when it holds none."""
-    n = num_samples(stream, seq_len)
+    n = num_samples(stream, seq_len, packing)
     if n == 0:
         raise TrainbookError(
             f"the validation split has {len(stream)} tokens, less than one sample of seq_len + 1"
@@ -390,8 +470,8 @@ def check_val_split(stream: TokenStream, seq_len: int) -> int:
 def _check_packing(packing: str, eos_id: int | None) -> None:
     if packing not in PACKINGS:
         raise TrainbookError(f"unknown packing '{packing}' (one of {PACKINGS})", where="data.packing")
-    if packing == "document" and eos_id is None:
-        raise TrainbookError("document packing needs the tokenizer's EOS id", where="data.packing")
+    if packing in ("document", "pad") and eos_id is None:
+        raise TrainbookError(f"{packing} packing needs the tokenizer's EOS id", where="data.packing")
 
 
 def val_batches(
@@ -403,18 +483,20 @@ def val_batches(
 
     Samples are taken in stream order (0, 1, 2, ...), wrapping around to the start when the
     split has fewer than `n_batches * micro_batch_size` samples, so evaluations are comparable
-    across steps and runs. `packing="document"` adds positions, as for training.
+    across steps and runs. `packing="document"` adds positions, as for training; `"pad"` takes
+    the documents in order, padded.
     """
     _check_packing(packing, eos_id)
-    n = check_val_split(stream, seq_len)  # here, not on the first next(): the call that set it up
+    n = check_val_split(stream, seq_len, packing)  # here, not on the first next(): the call that set it up
     return _val_batches(stream, seq_len, micro_batch_size, n_batches, n,
-                        eos_id if packing == "document" else None, masks, loss_select(loss_on))
+                        eos_id if packing == "document" else None, masks, loss_select(loss_on),
+                        eos_id if packing == "pad" else None)
 
 
 def _val_batches(
     stream: TokenStream, seq_len: int, micro_batch_size: int, n_batches: int, n: int,
-    eos_id: int | None, masks: TokenStream | None, select: int,
+    eos_id: int | None, masks: TokenStream | None, select: int, pad_id: int | None,
 ) -> Iterator[Batch]:
     for b in range(n_batches):
         sample_ids = np.arange(b * micro_batch_size, (b + 1) * micro_batch_size) % n  # (B,)
-        yield make_batch(stream, sample_ids, seq_len, eos_id, masks, select)
+        yield make_batch(stream, sample_ids, seq_len, eos_id, masks, select, pad_id)

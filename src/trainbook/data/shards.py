@@ -161,13 +161,29 @@ class TokenStream:
         self._arrays = [read_shard(p) for p in self.paths]
         self._bounds = np.cumsum([0] + [len(a) for a in self._arrays])  # shard k: [b[k], b[k+1])
         self.dtype = self._arrays[0].dtype if self._arrays else np.dtype("<u2")
+        self._documents: tuple[np.ndarray, np.ndarray] | None = None
 
     def __len__(self) -> int:
         return int(self._bounds[-1])
 
+    def documents(self) -> tuple[np.ndarray, np.ndarray]:
+        """(first token, length) of every document that begins in the stream, in order, each
+        (D,) int64, from the shards' `doc_starts` (a document may run on into the next shard).
+        Read from the indexes once, on first use (pad packing's samples are documents)."""
+        if self._documents is None:
+            starts = np.concatenate([np.zeros(0, dtype=np.int64)] + [
+                self._bounds[k] + np.asarray(read_index(p)["doc_starts"], dtype=np.int64)
+                for k, p in enumerate(self.paths)])
+            self._documents = (starts, np.diff(np.append(starts, len(self))))
+        return self._documents
+
     def take(self, starts: np.ndarray, length: int) -> np.ndarray:
         """Rows `stream[s : s + length]` for each s in `starts`: shape (len(starts), length)."""
         positions = np.asarray(starts, dtype=np.int64)[:, None] + np.arange(length)  # (N, L)
+        return self.gather(positions)
+
+    def gather(self, positions: np.ndarray) -> np.ndarray:
+        """The tokens at `positions` (any shape, int64), in that shape."""
         if positions.size and (positions.min() < 0 or positions.max() >= len(self)):
             raise IndexError(f"token positions outside the stream of {len(self)} tokens")
         if len(self._arrays) == 1:  # the common case: one fancy-index read from the map
