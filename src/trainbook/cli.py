@@ -123,6 +123,27 @@ def sample(
     ))
 
 
+@app.command("eval")
+def eval_(
+    target: Annotated[Path, typer.Argument(metavar="RUN|CKPT", help="A run directory (its newest valid checkpoint) or a checkpoint.")],
+    data: Annotated[Path, typer.Option(help="JSONL of records with a `prompt` (a string or a list of messages) "
+                                            "or `messages` ending with the user's turn; other fields go to the scorer.")],
+    scorer: Annotated[str, typer.Option(help="module:function called as fn(prompts, completions, **columns) -> "
+                                             "list[float] (e.g. trainbook.rewards:exact_answer).")],
+    samples: Annotated[int, typer.Option(min=1, help="Completions per prompt.")] = 1,
+    temperature: Annotated[float, typer.Option(min=0.0, help="0 is greedy; otherwise sampled from the whole distribution.")] = 0.0,
+    max_new_tokens: Annotated[int, typer.Option(min=1)] = 64,
+    seed: Annotated[int, typer.Option(help="Completion k of the file is sampled with seed + k.")] = 0,
+    json: Annotated[bool, typer.Option("--json", help="Print the archived result as JSON.")] = False,
+) -> None:
+    """Generate a completion for each prompt, score them, and archive the result as RUN/evals/<time>.json
+    (mean score, accuracy = share of scores >= 1, settings, every prompt, completion and score)."""
+    from trainbook.commands.eval import eval_command
+
+    typer.echo(eval_command(target, data, scorer, samples=samples, temperature=temperature,
+                            max_new_tokens=max_new_tokens, seed=seed, as_json=json))
+
+
 @app.command()
 def export(
     target: Annotated[Path, typer.Argument(help="A run directory (its newest valid checkpoint) or a checkpoint.")],

@@ -6,6 +6,8 @@ sample but trivially correct, and `trainbook sample` on the models trained here 
 
 from __future__ import annotations
 
+from collections.abc import Collection
+
 import torch
 
 from trainbook.errors import TrainbookError
@@ -21,8 +23,10 @@ def generate(
     top_k: int | None = 50,
     seed: int = 0,
     eos_id: int | None = None,
+    stop_ids: Collection[int] = (),
 ) -> list[int]:
-    """The new token ids only (not the prompt), stopping after `eos_id` (included) if it appears.
+    """The new token ids only (not the prompt), stopping after `eos_id` or any of `stop_ids` (a
+    chat template's end-of-turn token) if one appears, that token included.
 
     `temperature=0` is greedy (argmax); `top_k=None` or 0 samples from the whole vocabulary. The
     model sees at most its last `max_seq_len` tokens. Sampling draws from a private generator, so
@@ -46,7 +50,7 @@ def generate(
             logits = model(context)[0, -1].float()  # (vocab,) at the last position
             next_id = _pick(logits, temperature, top_k, generator)
             ids.append(next_id)
-            if next_id == eos_id:
+            if next_id == eos_id or next_id in stop_ids:
                 break
     finally:
         model.train(was_training)
