@@ -17,15 +17,16 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from trainbook.config import AlertsConfig, Config, TokenizerConfig, load_config
-from trainbook.data import hf_tokenizer_config
+from trainbook.data import Tokenizer, hf_tokenizer_config
 from trainbook.errors import TrainbookError
 from trainbook.model import build_model, resolve as resolve_model
 from trainbook.model.lora import targeted
-from trainbook.model.registry import FROM_HF
+from trainbook.model.registry import ARCH_FIELDS, FROM_HF
 from trainbook.parallel.device import device_memory_bytes, pick_device
 from trainbook.parallel.dims import ParallelDims, pipeline_microbatches, resolve_dims
 from trainbook.parallel.heads import check_heads
 from trainbook.parallel.plan_memory import PlanInputs
+from trainbook.runs import RunPaths
 
 
 def _check_secrets(cfg: Config, where: str) -> None:
@@ -91,7 +92,7 @@ def resolve(recipe: Path, overrides: list[str], world_size: int, *, device_memor
         device_memory = device_memory or device_memory_bytes(device, local_ranks)
     try:
         if cfg.model.init_from:
-            cfg = with_hf_model(cfg)
+            cfg = with_run_model(cfg) if cfg.model.init_from.startswith(RUN_PREFIX) else with_hf_model(cfg)
         cfg = cfg.model_copy(update={"model": resolve_model(cfg.model)})
     except TrainbookError as e:
         e.where = f"{where}: {e.where}" if e.where else where
@@ -127,6 +128,65 @@ def with_hf_model(cfg: Config) -> Config:
     # The directory's tokenizer; a chat template the recipe names still overrides the directory's.
     tokenizer = TokenizerConfig(**hf_tokenizer_config(path), chat_template=cfg.tokenizer.chat_template)
     return cfg.model_copy(update={"model": model, "tokenizer": tokenizer})
+
+
+RUN_PREFIX = "run:"
+# Fields a recipe may set apart from the run it starts from (as from a Hugging Face folder).
+_RECIPE_CHOOSES = ("vocab_size", "max_seq_len", "init_std")
+
+
+def with_run_model(cfg: Config) -> Config:
+    """The model section of the trainbook run (or checkpoint) `init_from = "run:PATH"` names, as
+    its config.resolved.toml has it, and its tokenizer as the run's tokenizer.
+
+    The recipe's own model fields must agree with the run's (a registry name is resolved and
+    compared field by field), except those it may choose: a larger vocabulary (resized after
+    loading), the RoPE table's length and the init std. A run whose tokenizer was trained
+    (`train_bpe`) is read from its saved folder instead of being trained again on new data.
+    """
+    from trainbook.train.checkpoint_model import locate_run
+
+    given = cfg.model
+    path = given.init_from.removeprefix(RUN_PREFIX)
+    if not path:
+        raise TrainbookError(f"{given.init_from!r} is not run:PATH (a trainbook run directory or checkpoint)",
+                             where="model.init_from")
+    try:
+        run_dir, ckpt, source = locate_run(Path(path))
+    except TrainbookError as e:  # no valid checkpoint, not a run, an unreadable config
+        said = e.message if e.where == path else str(e)
+        raise TrainbookError(f"{given.init_from!r}: {said}", where="model.init_from") from None
+    theirs = source.model
+    ours = given
+    if "name" in given.model_fields_set and given.name not in (FROM_HF, theirs.name):
+        ours = resolve_model(given)  # a registry entry: every field of it must be the run's
+    for field in ARCH_FIELDS:
+        value = getattr(ours, field)
+        if value is None or field in _RECIPE_CHOOSES:
+            continue
+        if value != getattr(theirs, field):
+            raise TrainbookError(f"the recipe's model has {field}={value}, the run {run_dir} has "
+                                 f"{field}={getattr(theirs, field)}", where=f"model.{field}")
+    if ours.vocab_size is not None and ours.vocab_size < theirs.vocab_size:
+        raise TrainbookError(f"the recipe's model has vocab_size={ours.vocab_size}, smaller than the run "
+                             f"{run_dir}'s {theirs.vocab_size} (a vocabulary can grow, not shrink)",
+                             where="model.vocab_size")
+    chosen = {k: getattr(ours, k) for k in _RECIPE_CHOOSES if getattr(ours, k) is not None}
+    model = theirs.model_copy(update={**chosen, "init_from": given.init_from, "resize_init": given.resize_init})
+    return cfg.model_copy(update={"model": model, "tokenizer": _run_tokenizer(source.tokenizer, run_dir, cfg)})
+
+
+def _run_tokenizer(theirs: TokenizerConfig, run_dir: Path, cfg: Config) -> TokenizerConfig:
+    """The run's tokenizer settings; a trained one as the tokenizer.json it saved. A chat template
+    the recipe names overrides the run's."""
+    template = cfg.tokenizer.chat_template or theirs.chat_template
+    if theirs.kind != "train_bpe":
+        return theirs.model_copy(update={"chat_template": template})
+    saved = RunPaths.of(run_dir).tokenizer
+    tok = Tokenizer.load(saved)
+    return TokenizerConfig(kind="hf", path=str(saved / "tokenizer.json"), eos_token=tok.eos_token,
+                           bos_token=tok.bos_token, pad_token=tok.pad_token, add_bos=tok.add_bos,
+                           chat_template=template)
 
 
 def _check_lora(cfg: Config, dims: ParallelDims, where: str) -> None:

@@ -1,13 +1,15 @@
-"""`[model]`: the architecture, a registry entry or a Hugging Face config.json with overrides,
-and the weights it starts from."""
+"""`[model]`: the architecture, a registry entry, a Hugging Face config.json or a trainbook run's
+model with overrides, and the weights it starts from."""
 
 from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field
+from pydantic import Field, field_validator
 
 from trainbook.config.section import Section
+
+INIT_FROM_KINDS = ("hf:", "run:")
 
 
 class ModelConfig(Section):
@@ -15,7 +17,13 @@ class ModelConfig(Section):
     """A registry name (`trainbook.model.registry`), or `from_hf`: the architecture of `init_from`'s
     config.json; the fields below override its values."""
     init_from: str | None = None
-    """`hf:PATH`: start from a Hugging Face directory (Llama, Qwen2/Qwen2.5 or Qwen3)'s weights (and use its tokenizer)."""
+    """Where the weights start: `hf:PATH`, a Hugging Face directory (Llama, Qwen2/Qwen2.5 or Qwen3),
+    its config.json the architecture and its tokenizer the run's; or `run:PATH`, a trainbook run
+    directory (its newest valid checkpoint) or one of its checkpoints, its config.resolved.toml's
+    [model] the architecture, its tokenizer the run's (a trained one read from the run's
+    tokenizer/ folder) and a LoRA run's adapters merged into the base weights. Either way the
+    fields below may only repeat the source's, except a larger `vocab_size`, `max_seq_len` and
+    `init_std`; a recipe's `tokenizer.chat_template` still applies."""
     resize_init: Literal["mean", "normal"] = "mean"
     """Rows added when `vocab_size` exceeds the imported vocabulary: the mean of the existing
     embeddings, or normal(0, init_std)."""
@@ -50,3 +58,11 @@ class ModelConfig(Section):
     """Share the token embedding with the output head."""
     init_std: float | None = Field(default=None, gt=0)
     """Standard deviation of the normal weight init (output projections scaled by depth)."""
+
+    @field_validator("init_from")
+    @classmethod
+    def _known_source(cls, value: str | None) -> str | None:
+        if value is not None and not value.startswith(INIT_FROM_KINDS):
+            raise ValueError(f"{value!r} is neither hf:PATH (a Hugging Face model directory) nor run:PATH "
+                             "(a trainbook run or checkpoint)")
+        return value

@@ -157,10 +157,18 @@ def build_checkpointer(settled: Settled, paths: RunPaths, rt: Runtime, events, m
 
 def full_model(cfg: Config, device: torch.device) -> nn.Module:
     """The full model on every rank: the same seed, the same init, or imported weights (a
-    Hugging Face Llama's, grown to the recipe's vocabulary if that is larger)."""
+    Hugging Face model's or a trainbook run's, grown to the recipe's vocabulary if that is larger)."""
     m = cfg.model
     if not m.init_from:
         return build_model(m, device, seed=cfg.run.seed)
+    if m.init_from.startswith("run:"):  # a trainbook run's newest valid checkpoint, LoRA merged
+        from trainbook.train.checkpoint_model import locate_run, read_model
+
+        _, ckpt, source = locate_run(Path(m.init_from.removeprefix("run:")))
+        model = read_model(ckpt, source, device, merge_lora=True,
+                           model_cfg=m.model_copy(update={"vocab_size": source.model.vocab_size}))
+        resize_vocab(model, m.vocab_size, m.resize_init, seed=cfg.run.seed + 2)
+        return model
     from trainbook.model.hf_import import hf_path, load_hf_weights, model_config_from_hf
 
     path = hf_path(m.init_from)

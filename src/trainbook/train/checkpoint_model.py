@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from trainbook.checkpoint import load_state, locate, step_of
-from trainbook.config import Config, load_config
+from trainbook.config import Config, ModelConfig, load_config
 from trainbook.model import build_model
 from trainbook.model.lora import apply_lora, merged_state_dict
 from trainbook.runs import RunPaths
@@ -47,13 +47,22 @@ def load_trained(target: Path, device: torch.device | str = "cpu", *, merge_lora
     """The model of `target` (a run directory or a checkpoint) with the checkpoint's weights on
     `device`; a LoRA run's adapters applied (kept apart, or merged with `merge_lora`)."""
     run_dir, ckpt, cfg = locate_run(target)
-    model = build_model(cfg.model, device, seed=cfg.run.seed)
+    return Trained(run_dir, ckpt, cfg, read_model(ckpt, cfg, device, merge_lora=merge_lora))
+
+
+def read_model(ckpt: Path, cfg: Config, device: torch.device | str, *, merge_lora: bool = False,
+               model_cfg: ModelConfig | None = None) -> nn.Module:
+    """A model with checkpoint `ckpt`'s weights, `cfg` being the resolved config of the run that
+    wrote it. `model_cfg`: build this model section instead of the run's (the same shapes: a
+    longer RoPE table, another init_std)."""
+    arch = model_cfg or cfg.model
+    model = build_model(arch, device, seed=cfg.run.seed)
     apply_lora(model, cfg.lora, seed=0)  # the adapters' values come from the checkpoint
     state = {"model": model.state_dict()}
     load_state(ckpt, state)
     model.load_state_dict(state["model"])
     if merge_lora and cfg.lora.enabled:
         merged = merged_state_dict(model.state_dict(), cfg.lora.alpha / cfg.lora.rank)
-        model = build_model(cfg.model, device, seed=cfg.run.seed)
+        model = build_model(arch, device, seed=cfg.run.seed)
         model.load_state_dict(merged)
-    return Trained(run_dir, ckpt, cfg, model)
+    return model
