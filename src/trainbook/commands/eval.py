@@ -106,7 +106,7 @@ def _prompt_record(record: dict, at: str, number: int) -> PromptRecord:
 
 def _ends_with_user(messages: list[dict], what: str) -> None:
     if messages[-1]["role"] != "user":
-        raise TrainbookError(f"{what} ends with a {messages[-1]['role']} message; a prompt ends with the "
+        raise TrainbookError(f"{what} ends with a message of role '{messages[-1]['role']}'; a prompt ends with the "
                              "user's turn (the completion is the assistant's answer)", where="--data")
 
 
