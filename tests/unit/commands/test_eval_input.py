@@ -66,3 +66,28 @@ def test_scorers_are_imported_and_their_answers_checked(tmp_path, monkeypatch):
     assert _error(call_scorer, fn, "m:fn", ["p"], ["a"], {}) == (
         "--scorer: m:fn raised TypeError: test_scorers_are_imported_and_their_answers_checked.<locals>.fn() "
         "missing 1 required positional argument: 'answer'")
+
+
+def test_a_message_prompt_is_the_template_with_its_generation_prompt_and_ends_at_end_of_turn():
+    from tests.conftest import REPO, qwen_tokenizer_files
+    from trainbook.commands.eval import PromptEncoder
+    from trainbook.config import TokenizerConfig
+    from trainbook.data.chat import ChatTemplate
+    from trainbook.data.tokenizer import build_tokenizer
+
+    chatml = REPO / "tests" / "data" / "chatml.jinja"
+    # EOS set apart from ChatML's end of turn, so each of the two stop tokens is seen.
+    tok = build_tokenizer(TokenizerConfig(kind="hf", path=str(qwen_tokenizer_files() / "tokenizer.json"),
+                                          eos_token="<|endoftext|>"), lambda: [])
+    encoder = PromptEncoder(tok, ChatTemplate(chatml.read_text(), str(chatml)))
+    text = "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n<|im_start|>user\nHi<|im_end|>\n" \
+           "<|im_start|>assistant\n"
+    ids = encoder.ids([{"role": "user", "content": "Hi"}])
+    assert tok.decode(ids) == text and ids.count(tok.token_to_id("<|im_start|>")) == 3
+    assert encoder.stop_ids == {tok.token_to_id("<|endoftext|>"), tok.token_to_id("<|im_end|>")}
+    assert encoder.ids("1+1=") == tok.encode("1+1=")  # a string prompt: as `trainbook sample` encodes it
+    no_template = PromptEncoder(tok, None, "the run has no chat template (tokenizer.chat_template)")
+    assert no_template.stop_ids == {tok.eos_id}
+    assert _error(no_template.ids, [{"role": "user", "content": "Hi"}], "'p.jsonl' line 4") == (
+        "--data: 'p.jsonl' line 4: a list of messages needs a chat template: the run has no chat template "
+        "(tokenizer.chat_template)")
