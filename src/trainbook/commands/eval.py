@@ -205,11 +205,14 @@ class PromptEncoder:
         """The special token the template writes right after an assistant message's text, if any
         (ChatML's <|im_end|>, Llama 3's <|eot_id|>)."""
         text = "Hello"
-        rendered = self.template.render([{"role": "user", "content": "Hi"}, {"role": "assistant", "content": text}])
-        after = rendered[rendered.rfind(text) + len(text):]
-        if not after.strip():
+        try:  # a template that wants other turns, a tokenizer without offsets: no such token known
+            rendered = self.template.render([{"role": "user", "content": "Hi"}, {"role": "assistant", "content": text}])
+            after = rendered[rendered.rfind(text) + len(text):]
+            ids = self.tokenizer.encode_offsets(after, specials=True)[0] if after.strip() else []
+        except TrainbookError:
             return None
-        ids = self.tokenizer.encode_offsets(after, specials=True)[0]
+        if not ids:
+            return None
         first = self.tokenizer.decode(ids[:1])
         return ids[0] if first in self.tokenizer.special_strings() else None
 
