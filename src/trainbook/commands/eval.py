@@ -222,6 +222,10 @@ class PromptEncoder:
 
 def eval_command(target: Path, data: Path, scorer: str, *, samples: int, temperature: float,
                  max_new_tokens: int, seed: int, as_json: bool) -> str:
+    """Generate, score and archive (`RUN/evals/<time>.json`); the line to print, or with
+    `as_json` the archived object. Everything the input can get wrong is checked before a token is
+    generated (the file, the scorer, the checkpoint, every prompt's rendering), the scores before
+    anything is written."""
     records = read_prompts(data)
     fn = load_scorer(scorer)
     trained = load_trained(target)
