@@ -62,6 +62,11 @@ def test_every_recipe_plans_for_its_world_and_says_what_plan_says(recipe, tmp_pa
             assert plan["batch"]["micro_batch_size"] == int(picks.group(1)), (recipe.name, plan["batch"])
 
 
+BASELINE_THREADS = {"OMP_NUM_THREADS": str(json.loads(BASELINE.read_text())["environment"]["torch_threads"])}
+"""The committed baseline's threads (part of its environment): `make test` runs one thread a process,
+and the README's verify output is that of a run in the baseline's environment."""
+
+
 @pytest.fixture(scope="module")
 def verified(tmp_path_factory, shakespeare_cache):
     """`trainbook verify --steps 40` of the default recipe, run once for the tests below.
@@ -70,7 +75,7 @@ def verified(tmp_path_factory, shakespeare_cache):
     compiling would pay over the recipe's 900 steps."""
     cwd = tmp_path_factory.mktemp("verify")
     done = run_cli("verify", "--baseline", str(BASELINE), "--steps", str(PREFIX), f"data.cache_dir={shakespeare_cache}",
-                   "train.compile=false", cwd=cwd, timeout=CHILD_TIMEOUT_S)
+                   "train.compile=false", cwd=cwd, timeout=CHILD_TIMEOUT_S, env=BASELINE_THREADS)
     return cwd, done
 
 
@@ -78,7 +83,7 @@ def test_the_default_recipe_verifies_against_its_committed_baseline(verified):
     """The recipe is numerically the baseline's (its `auto` compile and loss settled as the
     baseline's runs computed: eager, full logits). Where this machine is the baseline's (same
     devices, torch and packages) the run is judged bit for bit; elsewhere within the band of the
-    5 seeds (`baseline` then `verify` on one machine is bit for bit: the baseline test below)."""
+    5 seeds (`baseline` then `verify` on one machine is bit for bit: tests/e2e/test_tutorial.py)."""
     _, done = verified
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert "config differs" not in done.stdout, done.stdout[-2000:]
@@ -106,7 +111,7 @@ def test_a_baseline_from_another_environment_is_judged_within_its_band(verified,
 
 def test_a_perturbed_learning_rate_fails_at_the_first_point_out_of_band(shakespeare_cache, tmp_path):
     done = run_cli("verify", "--baseline", str(BASELINE), "--steps", "20", "optim.lr=2e-2", "train.compile=false",
-                   f"data.cache_dir={shakespeare_cache}", cwd=tmp_path)
+                   f"data.cache_dir={shakespeare_cache}", cwd=tmp_path, env=BASELINE_THREADS)
     assert done.returncode == 1, done.stdout[-3000:] + done.stderr[-3000:]
     assert "config differs from the baseline's: optim.lr = 0.02 (baseline 0.004)" in done.stdout
     assert "FAIL:" in done.stdout and "the first at step 20 (loss: out of band" in done.stdout, done.stdout[-2000:]
@@ -128,35 +133,6 @@ def test_verify_bad_input_is_one_line_and_exit_2(tmp_path):
     bad = run_cli("verify", "--baseline", str(tmp_path / "bad.json"), cwd=tmp_path)
     assert bad.returncode == 2 and "missing key 'seeds'" in bad.stderr, bad.stderr
     assert not (tmp_path / "runs").exists()  # nothing ran
-
-
-def test_baseline_then_verify_of_the_default_recipe_is_bit_for_bit_on_this_machine(shakespeare_cache, tmp_path):
-    """The check that holds on any machine: `baseline` of the default recipe's first steps here,
-    then `verify` of the same recipe and seed here, judged bit for bit (the committed baseline is
-    bit for bit only on the machine that made it; the test above judges it within its band)."""
-    # Compile pinned: left to `auto`, each run settles it on the peak it measures, which a busy
-    # machine lowers (the baseline compiled, the verify did not: no longer the same run).
-    out, steps = tmp_path / "b.json", ["--steps", "6", "train.compile=false", "log.every_steps=2", "train.eval_every=3",
-                                       "train.eval_steps=2", f"data.cache_dir={shakespeare_cache}"]
-    done = run_cli("baseline", "--seeds", "3", *steps, "--out", str(out), cwd=tmp_path)
-    assert done.returncode == 0, done.stdout + done.stderr
-    data = json.loads(out.read_text())
-    assert data["seeds"] == [1337, 1338, 1339] and data["k"] == 3.0 and data["steps"] == 6
-    runs = sorted(p for p in (tmp_path / "runs" / "tiny-shakespeare").glob("baseline-*/seed-*") if p.is_dir())
-    assert [r.name for r in runs] == ["seed-1337", "seed-1338", "seed-1339"]
-    first = [json.loads(line) for line in (runs[0] / "metrics.jsonl").read_text().splitlines()]
-    # The first seed's series, exactly as its run logged it.
-    assert data["seed0"]["loss"] == [[m["step"], m["loss"]] for m in first if m["kind"] == "train"]
-    assert data["seed0"]["val_loss"] == [[m["step"], m["val_loss"]] for m in first if m["kind"] == "eval"]
-    for p in data["points"]["loss"]:
-        assert p["lo"] <= p["mean"] <= p["hi"] and len(p["values"]) == 3
-        assert p["hi"] - p["mean"] == pytest.approx(max(3 * p["sd"], 0.005 * abs(p["mean"])))
-    assert [p["step"] for p in data["points"]["val_loss"]] == [0, 3, 6]
-    assert data["environment"]["torch"].startswith("2.13") and "trainbook" not in data["environment"]["packages"]
-    # What baseline wrote, verify reads: the same recipe and seed on this machine, bit for bit.
-    again = run_cli("verify", *steps, "--baseline", str(out), cwd=tmp_path)
-    assert again.returncode == 0, again.stdout + again.stderr
-    assert "judged bit for bit" in again.stdout and "up to step 6, all bit-for-bit equal" in again.stdout, again.stdout
 
 
 def test_a_sweep_finishes_around_its_failed_points(recipe, tmp_path):

@@ -10,6 +10,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from tests import readme
 from tests.conftest import PLAY, write_hf_llama
 
@@ -49,7 +51,7 @@ def test_the_tutorial_blocks_run_as_written(tmp_path):
     # What each step promises, seen in what it printed.
     verify = next(v for k, v in out.items() if k.startswith("trainbook verify"))
     assert "judged bit for bit" in verify and "PASS" in verify, verify
-    assert (tmp_path / "baselines" / "mine.json").is_file()
+    _assert_baseline_is_its_runs(tmp_path / "baselines" / "mine.json", tmp_path / "runs" / "mine")
     plan = next(v for k, v in out.items() if k.startswith("trainbook plan"))
     assert "on 8 rank(s)" in plan and "FITS" in plan, plan
     assert (tmp_path / "runs" / "two-ranks" / "report.html").is_file()
@@ -60,3 +62,22 @@ def test_the_tutorial_blocks_run_as_written(tmp_path):
     # The README's restart block (under Elastic restarts) is what this run printed and its grep found.
     resilient = next(v for k, v in out.items() if k.startswith("TRAINBOOK_FAULT=train.after_step@5:r1:a0 "))
     readme.assert_printed("Provoked by the tutorial's last command", resilient + readme.events(restart), mask=True)
+
+
+def _assert_baseline_is_its_runs(path: Path, runs_root: Path) -> None:
+    """What `baseline --seeds 2 --steps 10` of the tutorial's recipe wrote: its seeds' runs, the first
+    seed's series exactly as its run logged it, each point's band, and the environment it was made
+    in (the verify after it, judged bit for bit, is the check that holds on any machine: the
+    committed baseline of the default recipe is bit for bit only on the machine that made it)."""
+    data = json.loads(path.read_text())
+    assert data["seeds"] == [0, 1] and data["k"] == 3.0 and data["steps"] == 10
+    runs = sorted(p for p in runs_root.glob("baseline-*/seed-*") if p.is_dir())
+    assert [r.name for r in runs] == ["seed-0", "seed-1"]
+    first = [json.loads(line) for line in (runs[0] / "metrics.jsonl").read_text().splitlines()]
+    assert data["seed0"]["loss"] == [[m["step"], m["loss"]] for m in first if m["kind"] == "train"]
+    assert data["seed0"]["val_loss"] == [[m["step"], m["val_loss"]] for m in first if m["kind"] == "eval"]
+    for p in data["points"]["loss"]:
+        assert p["lo"] <= p["mean"] <= p["hi"] and len(p["values"]) == 2
+        assert p["hi"] - p["mean"] == pytest.approx(max(3 * p["sd"], 0.005 * abs(p["mean"])))
+    assert [p["step"] for p in data["points"]["val_loss"]] == [0, 5, 10]
+    assert data["environment"]["torch"].startswith("2.13") and "trainbook" not in data["environment"]["packages"]
