@@ -12,7 +12,6 @@ import json
 import os
 import random
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -154,14 +153,15 @@ def _kill_tree(pid: int) -> None:
             pass
 
 
-def _listening(port: int) -> bool:
-    with socket.socket() as s:
-        return s.connect_ex(("localhost", port)) == 0
-
-
 def test_a_lost_node_shrinks_the_run_and_its_return_grows_it_back(recipe, tmp_path):
     """Two agents on this machine as two nodes (`--nnodes 1:2`): one is killed with its worker
-    after step 5; the other goes on alone and holds after step 8 until a new node joins."""
+    after step 5; the other goes on alone and holds after step 8 until a new node joins.
+
+    The rendezvous store is this test's, as a cluster's rendezvous host would hold it: no agent
+    hosts it, so the node that is lost takes nothing with it, and both nodes are started at the
+    same moment (the first round closes 10 s, launch.LAST_CALL_S, after its first node joins: a
+    node that started only once another was up could miss it on a loaded machine and start a
+    run of its own)."""
     run_dir, port = tmp_path / "run", free_port()
     reached_lost, reached_alone = tmp_path / "reached-lost", tmp_path / "reached-alone"
     cmd = [sys.executable, "-m", "trainbook", "run", str(recipe), *STEPS, "--nproc", "1", "--nnodes", "1:2",
@@ -181,19 +181,15 @@ def test_a_lost_node_shrinks_the_run_and_its_return_grows_it_back(recipe, tmp_pa
                 assert proc.poll() is None, proc.stdout.read()[-4000:]
             time.sleep(0.1)
 
+    # An agent finding the endpoint's port taken joins as the store's client (c10d's fallback).
+    store = torch.distributed.TCPStore("localhost", port, is_master=True, multi_tenant=True)
     # The survivor: after the shrink (its restart count is 1 then), it holds still after step 8
     # until a SIGTERM: the one its agent sends when a new node is waiting at the rendezvous.
     survivor = agent("train.after_step@8:a1", reached_alone)
-    procs = [survivor]
+    # The lost node's worker holds still after step 5, whichever rank it is, until it is killed.
+    lost = agent("train.after_step@5:a0", reached_lost)
+    procs = [survivor, lost]
     try:
-        # The survivor hosts the rendezvous store (c10d's host is the first agent up): the lost
-        # node must not be the one that holds it.
-        while not _listening(port):
-            assert survivor.poll() is None, survivor.stdout.read()
-            time.sleep(0.1)
-        # The lost node's worker holds still after step 5, whichever rank it is, until it is killed.
-        lost = agent("train.after_step@5:a0", reached_lost)
-        procs.append(lost)
         wait_for(reached_lost, survivor, lost)
         _kill_tree(lost.pid)  # the node is gone: its launcher, its agent and its worker
         wait_for(reached_alone, survivor)  # alone since step 4's checkpoint, now after step 8
@@ -204,6 +200,7 @@ def test_a_lost_node_shrinks_the_run_and_its_return_grows_it_back(recipe, tmp_pa
         for proc in procs:
             if proc.poll() is None:
                 _kill_tree(proc.pid)
+        del store
     assert survivor.returncode == 0 and back.returncode == 0, outs[0][-4000:]
 
     shrink, grow = _events(run_dir, "restart")
