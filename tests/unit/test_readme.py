@@ -179,6 +179,7 @@ BLOCKS = {
     "[lora]": ("input", "a recipe's section"),
     "[[data.sources]]": ("input", "a recipe's sections"),
     "trainbook export RUN --format peft": ("input", "commands"),
+    "trainbook eval runs/my-sft": ("input", "commands"),
     "# my-recipe.toml": ("compared", "tests/e2e/test_tutorial.py"),
     "trainbook check my-recipe.toml": ("compared", "tests/e2e/test_tutorial.py"),
     "trainbook bench data my-recipe.toml": ("compared", "tests/e2e/test_tutorial.py"),
