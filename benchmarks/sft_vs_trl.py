@@ -129,6 +129,9 @@ cache_dir = "{work / 'cache'}"
 val_fraction = 0.0
 packing = "{packing}"
 
+[data.dedup]
+exact = false                    # TRL keeps repeated conversations: the label rows pair up in order
+
 [train]
 seq_len = {args.seq_len}
 micro_batch_size = {args.batch}
