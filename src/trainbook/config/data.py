@@ -108,7 +108,8 @@ class TokenizerConfig(Section):
     """`train_bpe`: train a byte-level BPE on the corpus; `hf`: a `tokenizer.json`; `sentencepiece`:
     a `.model` file; `tiktoken`: a tiktoken rank file (`.tiktoken`) or GPT-2 `encoder.json` + `vocab.bpe`."""
     path: str | None = None
-    """Tokenizer file (for `tiktoken` GPT-2 files: the directory holding them)."""
+    """Tokenizer file (for `tiktoken` GPT-2 files: the directory holding them); `pkg://PACKAGE/path`
+    is a file inside an installed package."""
     vocab_size: int = Field(default=2048, ge=260)
     """Vocabulary size when training a tokenizer (256 bytes + specials + merges)."""
     eos_token: str | None = None
@@ -119,8 +120,9 @@ class TokenizerConfig(Section):
     pad_token: str | None = None
     """Padding token; unset: the tokenizer's own, if it has one."""
     chat_template: str | None = None
-    """A jinja file with the chat template for `chat` and `prompt_completion` data; unset: the
-    `chat_template` of the `tokenizer_config.json` beside `tokenizer.path`."""
+    """A jinja file (or `pkg://PACKAGE/path`) with the chat template for `chat` and
+    `prompt_completion` data; unset: the `chat_template` of the `tokenizer_config.json` beside
+    `tokenizer.path`."""
     add_bos: bool = False
     """Put the BOS token at the start of every document."""
     tiktoken_encoding: Literal["cl100k_base", "o200k_base", "llama3"] | None = None

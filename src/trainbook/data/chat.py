@@ -44,6 +44,7 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from trainbook.config.data import DataConfig, TokenizerConfig
 from trainbook.errors import TrainbookError, one_line
+from trainbook.pkgpath import expand_path
 
 if TYPE_CHECKING:
     from trainbook.data.tokenizer import Tokenizer
@@ -137,7 +138,7 @@ def template_source(chat_template: str | None, tokenizer_path: str | None) -> tu
     """(template text, what to call it in errors) from `tokenizer.chat_template` or the
     `tokenizer_config.json` beside `tokenizer.path`."""
     if chat_template is not None:
-        path = Path(chat_template).expanduser()
+        path = Path(expand_path(chat_template, "tokenizer.chat_template"))
         try:
             return path.read_text(encoding="utf-8"), str(path)
         except (OSError, UnicodeDecodeError) as e:
@@ -145,7 +146,7 @@ def template_source(chat_template: str | None, tokenizer_path: str | None) -> tu
     if tokenizer_path is None:
         raise TrainbookError("chat data needs a chat template: set tokenizer.chat_template to a jinja file",
                              where="tokenizer.chat_template")
-    folder = Path(tokenizer_path).expanduser()
+    folder = Path(expand_path(tokenizer_path, "tokenizer.path"))
     config = (folder if folder.is_dir() else folder.parent) / TOKENIZER_CONFIG
     try:
         template = json.loads(config.read_text(encoding="utf-8")).get("chat_template")

@@ -39,6 +39,7 @@ from trainbook.data.shards import ShardWriter, TokenStream, token_dtype, verify_
 from trainbook.data.sources import locate_record, resolve_paths
 from trainbook.data.tokenizer import Tokenizer, build_tokenizer, check_ids
 from trainbook.errors import TrainbookError
+from trainbook.pkgpath import expand_path
 
 # Bump when prepare would write different shards for the same inputs (conversion, cleaning,
 # split or packing rules): old cache entries then stop matching instead of being reused.
@@ -141,7 +142,7 @@ def cache_key(data: DataConfig, tok: TokenizerConfig, *, seed: int, inputs: list
     else:
         if tok.path is None:
             raise TrainbookError(f"kind '{tok.kind}' needs a tokenizer file", where="tokenizer.path")
-        tokenizer["files_sha256"] = _path_sha256(Path(tok.path), "tokenizer.path")
+        tokenizer["files_sha256"] = _path_sha256(Path(expand_path(tok.path, "tokenizer.path")), "tokenizer.path")
     payload = {
         "format": PREPARE_FORMAT,
         # `weight` is left out: it steers sampling from prepared data, not what is prepared.

