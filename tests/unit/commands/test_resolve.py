@@ -62,3 +62,9 @@ def test_pipeline_checks_happen_before_any_process(tmp_path):
     e = _error(DEFAULT, ["parallel.pp=2", "parallel.dp_shard=1", "parallel.pp_microbatches=3",
                          "train.micro_batch_size=8"], 2)
     assert e.where == f"{DEFAULT}: parallel.pp_microbatches" and "multiple of 3" in e.message
+
+
+def test_pad_packing_of_text_is_refused_naming_data_packing():
+    """Padding is left out of the loss through its mask; text trains every token and has none."""
+    e = _error(DEFAULT, ["data.packing=pad"], 1)
+    assert e.where == f"{DEFAULT}: data.packing" and "pads conversations" in e.message
