@@ -9,11 +9,14 @@ import re
 from pathlib import Path
 
 import pytest
+import torch
 
 from tests import readme
 from tests.conftest import CHILD_TIMEOUT_S, RECIPES, run_cli, write_hf_config_of, write_hf_llama
+from trainbook import rewards
 from trainbook.commands.plan import plan_command
 from trainbook.config import load_config
+from trainbook.data import arith
 
 BASELINE = RECIPES / "baselines" / "tiny-shakespeare.json"
 PREFIX = 40  # steps of the default recipe verified here (its baseline covers all 900)
@@ -189,3 +192,55 @@ def test_the_qwen3_recipe_trains_on_the_default_data_and_samples(shakespeare_cac
     assert len(losses) == 4 and losses[-1] < losses[0] - 0.3, losses  # from ln(1024) = 6.93 down
     sampled = run_cli("sample", str(run_dir), "--prompt", "ROMEO:", "--max-new-tokens", "12", "--seed", "1")
     assert sampled.returncode == 0 and sampled.stdout.startswith("ROMEO:"), sampled.stderr
+
+
+def test_the_arithmetic_recipe_ships_what_its_generator_writes():
+    """recipes/arith/ is `python -m trainbook.data.arith` of its seed, byte for byte, and no held-out
+    addition is trained on."""
+    shipped = RECIPES / "arith"
+    for name, text in arith.lines().items():
+        assert (shipped / name).read_text(encoding="utf-8") == text, name
+    vocab = json.loads((shipped / "tokenizer.json").read_text())["model"]["vocab"]
+    assert vocab == json.loads(arith.tokenizer_json())["model"]["vocab"] and len(vocab) == 257
+    train, held = arith.additions()
+    assert not set(train) & set(held) and len(set(train)) == len(train)
+
+
+def _train_records(run_dir: Path) -> list[dict]:
+    return [r for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines()) if r["kind"] == "train"]
+
+
+@pytest.mark.slow
+def test_the_arithmetic_recipe_trains_and_evals_from_its_packaged_files(tmp_path):
+    """recipes/arith-sft.toml from any working directory: its data, byte tokenizer and template are
+    `pkg://` files; a few steps train on the assistants' answers only, two data-parallel ranks
+    train them as one process does (the loss is over the trained tokens of both ranks), and `eval`
+    of held-out additions scores what it generated."""
+    run_dir, two = tmp_path / "run", tmp_path / "two"
+    steps = ("train.max_steps=3", "train.eval_every=0", "log.every_steps=1", "train.compile=false")
+    done = run_cli("run", str(RECIPES / "arith-sft.toml"), *steps, "--run-dir", str(run_dir), cwd=tmp_path,
+                   timeout=CHILD_TIMEOUT_S)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    train = _train_records(run_dir)
+    # Each conversation "Q: a+b\nA: s<eos>\n" trains the answer's digits and EOS: 2 to 4 of its
+    # 12 to 18 tokens.
+    assert len(train) == 3 and all(0.1 < r["trained_tokens"] / 2048 < 0.35 for r in train), train
+    done = run_cli("run", str(RECIPES / "arith-sft.toml"), *steps, "--nproc", "2", "--run-dir", str(two),
+                   cwd=tmp_path, timeout=CHILD_TIMEOUT_S)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    # The same samples, half on each rank, whose trained tokens differ: the loss is the sum over
+    # both ranks' trained tokens over their count, not a mean of each rank's own mean.
+    assert [r["trained_tokens"] for r in _train_records(two)] == [r["trained_tokens"] for r in train]
+    torch.testing.assert_close([r["loss"] for r in _train_records(two)], [r["loss"] for r in train],
+                               rtol=0, atol=2e-6)
+    held = (RECIPES / "arith" / "heldout.jsonl").read_text().splitlines()[:4]
+    (tmp_path / "held.jsonl").write_text("\n".join(held) + "\n")
+    out = run_cli("eval", str(run_dir), "--data", str(tmp_path / "held.jsonl"), "--scorer",
+                  "trainbook.rewards:exact_answer", "--max-new-tokens", "8", "--json", cwd=tmp_path)
+    assert out.returncode == 0, out.stderr[-3000:]
+    result = json.loads(out.stdout)
+    records = [json.loads(h) for h in held]
+    assert result["n"] == 4 and [r["prompt"] for r in result["results"]] == [r["messages"] for r in records]
+    completions = [r["completion"] for r in result["results"]]
+    assert [r["score"] for r in result["results"]] == rewards.exact_answer(
+        [r["messages"] for r in records], completions, answer=[r["answer"] for r in records])
