@@ -12,7 +12,7 @@ from pathlib import Path
 
 SRC = Path(__file__).resolve().parents[2] / "src"
 
-LEAVES = {"atomic", "errors", "faults", "phase", "sizes"}
+LEAVES = {"atomic", "errors", "faults", "phase", "pkgpath", "sizes"}
 LAYER7 = {"config", "runs"} | LEAVES
 LAYER6 = {"model", "precision"} | LAYER7
 LAYER5 = {"parallel", "checkpoint", "data"} | LAYER6
