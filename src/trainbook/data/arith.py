@@ -21,6 +21,8 @@ import random
 import sys
 from pathlib import Path
 
+from trainbook.data.tokenizer.tiktoken_bpe import byte_to_unicode
+
 SEED = 20261205
 DIGITS = 2
 TRAIN = 9_500
@@ -61,27 +63,16 @@ EOS = "<|endoftext|>"
 
 
 def tokenizer_json() -> str:
-    """A byte-level tokenizer: `<|endoftext|>` is id 0, byte b is id 1 + b (in ByteLevel's
-    printable alphabet), no merges."""
+    """A byte-level tokenizer: `<|endoftext|>` is id 0, byte b is id 1 + b (written as ByteLevel
+    writes it, GPT-2's stand-in character), no merges."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
-    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet(), key=lambda c: _byte_of(c))
-    vocab = {EOS: 0} | {c: 1 + i for i, c in enumerate(alphabet)}
+    vocab = {EOS: 0} | {char: 1 + b for b, char in byte_to_unicode().items()}
     tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
     tok.decoder = decoders.ByteLevel()
     tok.add_special_tokens([EOS])
     return tok.to_str(pretty=True) + "\n"
-
-
-def _byte_of(char: str) -> int:
-    """The byte ByteLevel's alphabet writes as `char` (GPT-2's bytes_to_unicode, inverted)."""
-    code = ord(char)
-    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
-    if code in printable:
-        return code
-    others = [b for b in range(256) if b not in printable]
-    return others[code - 256]
 
 
 def main(argv: list[str]) -> None:

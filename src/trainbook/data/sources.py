@@ -32,7 +32,6 @@ from trainbook.errors import TrainbookError
 from trainbook.pkgpath import expand_path
 
 
-
 def resolve_paths(patterns: Sequence[str], where: str) -> list[Path]:
     """Expand globs into files: sorted within each pattern, patterns in the order given.
 

@@ -203,7 +203,7 @@ def _parse_ranks(data: bytes) -> dict[bytes, int]:
     return ranks
 
 
-def _byte_to_unicode() -> dict[int, str]:
+def byte_to_unicode() -> dict[int, str]:
     """GPT-2's printable stand-in for each byte: bytes that are visible, non-space Latin-1
     characters stand for themselves; the other 68 take characters 256, 257, ... in order."""
     visible = {*range(0x21, 0x7F), *range(0xA1, 0xAD), *range(0xAE, 0x100)}
@@ -222,7 +222,7 @@ def _gpt2_ranks(encoder_json: bytes, merges: bytes) -> tuple[dict[bytes, int], d
     joined bytes have the lowest rank; that is GPT-2's merge order only when each merge's
     result is ranked after the results of all earlier merges, so that is checked."""
     encoder = json.loads(encoder_json)
-    to_byte = {c: b for b, c in _byte_to_unicode().items()}
+    to_byte = {c: b for b, c in byte_to_unicode().items()}
     ranks, specials = {}, {}
     for token, i in encoder.items():
         if token == ENDOFTEXT:
