@@ -42,7 +42,7 @@ import torch
 from trainbook.commands.preflight import prepare_data
 from trainbook.commands.resolve import resolve
 from trainbook.data.chat import TRAINED
-from trainbook.data.loader import loss_select, make_batch, num_samples, padding_report
+from trainbook.data.samples import loss_select, make_batch, num_samples, padding_report
 from trainbook.model.hf import to_hf_state_dict
 from trainbook.model.lora import to_peft_state_dict
 from trainbook.runs import create_run_dir

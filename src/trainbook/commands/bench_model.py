@@ -22,7 +22,7 @@ from trainbook.atomic import atomic_write_json
 from trainbook.commands.recipe import recipe_and_overrides
 from trainbook.commands.resolve import resolve
 from trainbook.config import Config
-from trainbook.data.loader import Batch
+from trainbook.data.samples import Batch
 from trainbook.diagnose.profile import device_sync, phase_boundary
 from trainbook.errors import TrainbookError
 from trainbook.model import build_model, flops_per_token, num_params

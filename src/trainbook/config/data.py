@@ -96,7 +96,7 @@ class DataConfig(Section):
     """`concat`: documents joined with EOS and cut into windows; `document`: the same windows, but
     positions restart and attention stops at every document boundary; `pad` (chat and
     prompt_completion data): one document per sample, right-padded to seq_len + 1 tokens (cut
-    there when longer), padding never trained nor attended (data/loader.py)."""
+    there when longer), padding never trained nor attended (data/samples.py)."""
     num_workers: int = Field(default=0, ge=0)
     """Background processes that assemble batches; 0 assembles them in the training process."""
     pin_memory: bool | None = None

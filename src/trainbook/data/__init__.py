@@ -4,7 +4,8 @@
 train/val streams; `TrainLoader` and `val_batches` cut them into (inputs, targets) batches.
 """
 
-from trainbook.data.loader import TrainLoader, check_train_split, check_val_split, padding_report, val_batches
+from trainbook.data.loader import TrainLoader, val_batches
+from trainbook.data.samples import check_train_split, check_val_split, padding_report
 from trainbook.data.prepare import Prepared, find_prepared, prepare
 from trainbook.data.tokenizer import Tokenizer, hf_tokenizer_config
 

@@ -1,6 +1,6 @@
 """The global sample order of a training mixture: global sample g -> (source, sample), a pure function.
 
-Every source's stream is cut into samples of seq_len + 1 tokens (see loader.py); source s has
+Every source's stream is cut into samples of seq_len + 1 tokens (see samples.py); source s has
 N_s of them and a weight w_s, so its share is p_s = w_s / sum(w). The order of the whole run is
 fixed by (weights, N_s, seed) alone, and any global sample g is located in O(1), vectorised, with
 no replay from 0:

@@ -6,7 +6,7 @@
 A split is a sequence of shards; read in order they are one token stream (`TokenStream`).
 `doc_starts` are the offsets, in this shard, of the documents that begin in it; a shard is cut
 at exactly `max_tokens`, so its first tokens may continue a document from the previous shard.
-Shards know nothing of EOS: prepare writes each document followed by its EOS (see loader.py).
+Shards know nothing of EOS: prepare writes each document followed by its EOS (see samples.py).
 
 Files are written atomically (temp file in the same directory, fsync, rename), the index after
 the .bin, so an index always describes a complete .bin. Reading is a read-only `np.memmap`: a

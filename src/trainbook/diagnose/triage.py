@@ -42,7 +42,8 @@ from torch import nn
 from trainbook.atomic import atomic_write_json, atomic_write_text
 from trainbook.config import TriageConfig
 from trainbook.data import Prepared
-from trainbook.data.loader import Batch, TrainLoader
+from trainbook.data.loader import TrainLoader
+from trainbook.data.samples import Batch
 from trainbook.data.provenance import batch_rows, document_span
 from trainbook.diagnose.blocks import block_of, block_order, squared_norm, unwrapped
 from trainbook.monitor.alerts import robust_z

@@ -25,7 +25,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from trainbook.data.loader import Batch
+from trainbook.data.samples import Batch
 from trainbook.model.loss import full_cross_entropy
 from trainbook.parallel.dims import ParallelDims
 from trainbook.parallel.runtime import Runtime

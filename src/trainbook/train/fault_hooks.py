@@ -20,7 +20,7 @@ from collections.abc import Callable, Iterator
 import torch
 from torch import nn
 
-from trainbook.data.loader import Batch
+from trainbook.data.samples import Batch
 from trainbook.faults import fault_active, fault_armed, fault_point
 from trainbook.phase import PhaseTracker
 

@@ -33,7 +33,7 @@ from typing import Protocol
 import torch
 from torch import nn
 
-from trainbook.data.loader import Batch
+from trainbook.data.samples import Batch
 from trainbook.model.loss import IGNORE
 from trainbook.parallel.runtime import Runtime
 

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from trainbook.data.loader import Batch
+from trainbook.data.samples import Batch
 from trainbook.phase import Phase, PhaseTracker
 from trainbook.precision import LossScaler
 from trainbook.train.engine import LocalEngine, PipelineEngine, to_device

@@ -11,7 +11,7 @@ import time
 import torch
 
 from trainbook.config import Config
-from trainbook.data.loader import Batch
+from trainbook.data.samples import Batch
 from trainbook.diagnose.profile import device_sync
 from trainbook.train.step import Step
 

@@ -21,7 +21,7 @@ from trainbook.config.data import TokenizerConfig
 from trainbook.data.chat import (
     DOC_START, LAST, TRAINED, ChatEncoder, ChatTemplate, chat_document, text_bits, text_pair_document,
 )
-from trainbook.data.loader import loss_select, to_batch
+from trainbook.data.samples import loss_select, to_batch
 from trainbook.data.tokenizer import build_tokenizer, hf_tokenizer_config
 from trainbook.errors import TrainbookError
 from trainbook.model.loss import IGNORE

@@ -5,7 +5,8 @@ import pytest
 import torch
 
 from trainbook.data import TrainLoader, val_batches
-from trainbook.data.loader import Batch, DeliveredMix, document_positions
+from trainbook.data.loader import DeliveredMix
+from trainbook.data.samples import Batch, document_positions
 from trainbook.data.shards import ShardWriter, TokenStream
 from trainbook.errors import TrainbookError
 

@@ -1,4 +1,4 @@
-"""`data.packing = "pad"` (data/loader.py): one document per sample, right-padded to seq_len + 1.
+"""`data.packing = "pad"` (data/samples.py): one document per sample, right-padded to seq_len + 1.
 The padded loss of a batch equals the token-weighted loss of its documents run one at a time
 unpadded (1e-6); no target at or past a document's end is trained, whatever `loss_on`; a
 document longer than the window is cut to it; the padding waste and the cut are counted as by
@@ -17,7 +17,8 @@ from trainbook.config.data import DataConfig, SourceConfig, TokenizerConfig
 from trainbook.config.model import ModelConfig
 from trainbook.data import padding_report, prepare
 from trainbook.data.chat import DOC_START, TRAINED
-from trainbook.data.loader import TrainLoader, loss_select, to_batch, val_batches
+from trainbook.data.loader import TrainLoader, val_batches
+from trainbook.data.samples import loss_select, to_batch
 from trainbook.data.shards import ShardWriter, TokenStream
 from trainbook.data.tokenizer import hf_tokenizer_config
 from trainbook.model import build_model, resolve

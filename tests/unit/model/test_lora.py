@@ -11,7 +11,7 @@ from torch import nn
 
 from trainbook.config import LoraConfig, OptimConfig, PrecisionConfig
 from trainbook.config.model import ModelConfig
-from trainbook.data.loader import Batch
+from trainbook.data.samples import Batch
 from trainbook.errors import TrainbookError
 from trainbook.model import build_model, resolve
 from trainbook.model.lora import LoRALinear, apply_lora, merged_state_dict, targeted

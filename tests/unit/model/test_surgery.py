@@ -1,7 +1,7 @@
 import torch
 
 from trainbook.config import ModelConfig, OptimConfig, PrecisionConfig
-from trainbook.data.loader import Batch
+from trainbook.data.samples import Batch
 from trainbook.model import build_model, resolve
 from trainbook.model.surgery import freeze, reinit, resize_vocab, trainable_summary
 from trainbook.precision import Precision

@@ -8,7 +8,7 @@ import torch
 
 from trainbook.config import Config
 from trainbook.config.model import ModelConfig
-from trainbook.data.loader import Batch
+from trainbook.data.samples import Batch
 from trainbook.model import build_model, resolve
 from trainbook.parallel.apply import ApplyOptions, parallelize
 from trainbook.parallel.compile import decide, settle_compile

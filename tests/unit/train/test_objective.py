@@ -14,7 +14,7 @@ import torch.nn.functional as F
 
 from trainbook.config.model import ModelConfig
 from trainbook.data.chat import DOC_START, TRAINED
-from trainbook.data.loader import Batch, to_batch
+from trainbook.data.samples import Batch, to_batch
 from trainbook.model import build_model, resolve
 from trainbook.model.loss import ChunkedLoss
 from trainbook.phase import PhaseTracker

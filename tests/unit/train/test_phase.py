@@ -5,7 +5,7 @@ import threading
 import torch
 
 from trainbook.config import ModelConfig, PrecisionConfig
-from trainbook.data.loader import Batch
+from trainbook.data.samples import Batch
 from trainbook.model import build_model, resolve
 from trainbook.phase import Phase, PhaseTracker
 from trainbook.precision import Precision

@@ -16,7 +16,7 @@ from torch.utils.module_tracker import ModuleTracker
 
 from trainbook.config import PrecisionConfig
 from trainbook.config.model import ModelConfig
-from trainbook.data.loader import Batch
+from trainbook.data.samples import Batch
 from trainbook.model import build_model, llama, resolve
 from trainbook.precision import COMPUTE_DTYPES, FP32_OPS, LossScaler, Precision
 from trainbook.phase import PhaseTracker
