@@ -1,7 +1,7 @@
 """LoRA end to end: a run of the fine-tuning recipe with `lora.rank`, started from a Hugging Face
 Llama folder, sampled from, exported for PEFT (`--format peft`) and merged (`--format hf`); PEFT's
 `PeftModel.from_pretrained` on the adapter and the base folder computes trainbook's logits.
-Bad input: targets that name no module, LoRA under tensor parallel (one line, exit 2, nothing
+Bad input: targets that name no module (one line, exit 2, nothing
 written), `--format peft` of a run without adapters (refused before anything is written)."""
 
 from __future__ import annotations
@@ -161,7 +161,3 @@ def test_lora_bad_input_is_one_line_exit_2_nothing_written(tmp_path):
                             cwd=tmp_path, watch=(RECIPES,))
     assert nowhere == (f"trainbook: error: {RECIPE}: lora.targets: 'q_proj' names no module of the model (its linear "
                        "layers: w1, w2, w3, wk, wo, wq, wv; or 'all-linear')")
-    tp = run_cli_error("run", str(RECIPE), "train.seq_len=64", "lora.rank=4", "parallel.tp=2", "--nproc", "2",
-                       cwd=tmp_path, watch=(RECIPES,))
-    assert tp == (f"trainbook: error: {RECIPE}: lora.rank: LoRA under tensor parallel is not supported yet; "
-                  "use tp = 1 (FSDP or DDP shard the base)")

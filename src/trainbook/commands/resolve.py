@@ -190,15 +190,9 @@ def _run_tokenizer(theirs: TokenizerConfig, run_dir: Path, cfg: Config) -> Token
 
 
 def _check_lora(cfg: Config, dims: ParallelDims, where: str) -> None:
-    """`[lora]`'s targets name linear layers of the model (built on the meta device), and the
-    layout is one LoRA runs under."""
+    """`[lora]`'s targets name linear layers of the model (built on the meta device)."""
     if not cfg.lora.enabled:
         return
-    if dims.tp > 1:
-        # ColwiseParallel/RowwiseParallel shard a module's parameters by name and cannot reach the
-        # adapter's nested lora_a/lora_b; sharding them needs a TP plan of their own.
-        raise TrainbookError("LoRA under tensor parallel is not supported yet; use tp = 1 (FSDP or DDP shard the base)",
-                             where=f"{where}: lora.rank")
     try:
         targeted(build_model(cfg.model, "meta", seed=0), cfg.lora.targets)
     except TrainbookError as e:

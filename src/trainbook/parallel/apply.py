@@ -23,12 +23,13 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import (
     ColwiseParallel, PrepareModuleInput, RowwiseParallel, SequenceParallel, parallelize_module,
 )
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
+from trainbook.model.lora import LoRALinear
 from trainbook.model.loss import ChunkedLoss
 from trainbook.parallel.dims import ParallelDims
 
@@ -99,8 +100,19 @@ def tp_plan(model: nn.Module) -> dict[str, object]:
     of the (B, T, heads, head_dim) q or k as a DTensor sharded on dim 2, so the gain's gradient,
     a sum over every position and head, is summed over tp like the block norms' over the sequence
     (the "replicated with gradient all-reduce" of torchtitan's Qwen3 and HF's tp plans); the norm
-    returns the local heads, as the projection handed them over.
+    returns the local heads, as the projection handed them over. A projection carrying a LoRA
+    adapter gets the adapter-aware form of its style (the stock ones would shard every parameter
+    beneath the module, the adapter's A and B included, by the base weight's rule).
     """
+    def adapted(path: str) -> bool:
+        return _has_module(model, path) and isinstance(model.get_submodule(path), LoRALinear)
+
+    def colwise(path: str):
+        return AdaptedColwise() if adapted(path) else ColwiseParallel()
+
+    def rowwise(path: str):  # back to the sequence-sharded residual stream
+        return (AdaptedRowwise if adapted(path) else RowwiseParallel)(output_layouts=Shard(1))
+
     plan: dict[str, object] = {
         "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
         "norm": SequenceParallel(),
@@ -112,19 +124,48 @@ def tp_plan(model: nn.Module) -> dict[str, object]:
             f"{p}.attention_norm": SequenceParallel(),
             f"{p}.attention": PrepareModuleInput(input_layouts=(Shard(1), None, None, None),
                                                  desired_input_layouts=(Replicate(), None, None, None)),
-            f"{p}.attention.wq": ColwiseParallel(),
-            f"{p}.attention.wk": ColwiseParallel(),
-            f"{p}.attention.wv": ColwiseParallel(),
+            f"{p}.attention.wq": colwise(f"{p}.attention.wq"),
+            f"{p}.attention.wk": colwise(f"{p}.attention.wk"),
+            f"{p}.attention.wv": colwise(f"{p}.attention.wv"),
             f"{p}.attention.q_norm": SequenceParallel(sequence_dim=2, use_local_output=True),
             f"{p}.attention.k_norm": SequenceParallel(sequence_dim=2, use_local_output=True),
-            f"{p}.attention.wo": RowwiseParallel(output_layouts=Shard(1)),
+            f"{p}.attention.wo": rowwise(f"{p}.attention.wo"),
             f"{p}.ffn_norm": SequenceParallel(),
             f"{p}.feed_forward": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
-            f"{p}.feed_forward.w1": ColwiseParallel(),
-            f"{p}.feed_forward.w3": ColwiseParallel(),
-            f"{p}.feed_forward.w2": RowwiseParallel(output_layouts=Shard(1)),
+            f"{p}.feed_forward.w1": colwise(f"{p}.feed_forward.w1"),
+            f"{p}.feed_forward.w3": colwise(f"{p}.feed_forward.w3"),
+            f"{p}.feed_forward.w2": rowwise(f"{p}.feed_forward.w2"),
         })
     return {path: style for path, style in plan.items() if _has_module(model, path)}
+
+
+class AdaptedColwise(ColwiseParallel):
+    """ColwiseParallel for a `LoRALinear`: the base weight and bias and the adapter's B (out, r)
+    split by output rows (Shard(0)), A (r, in) whole on every rank. The replicated input gives
+    A x whole, B turns it into this rank's output columns, added to the base's."""
+
+    def _partition_linear_fn(self, name, module, device_mesh):
+        if name != "lora_a":  # A is left to distribute_module, which replicates it
+            _shard_own(module, Shard(0), device_mesh, self.src_data_rank)
+
+
+class AdaptedRowwise(RowwiseParallel):
+    """RowwiseParallel for a `LoRALinear`: the base weight and A (r, in) split by input columns
+    (Shard(1)), the bias and B (out, r) whole. This rank's input columns give a partial A x, B
+    keeps it partial (it is linear), and the output's reduction sums it with the base's."""
+
+    def _partition_linear_fn(self, name, module, device_mesh):
+        if name in ("", "lora_a"):
+            _shard_own(module, Shard(1), device_mesh, self.src_data_rank, only=("weight",))
+
+
+def _shard_own(module: nn.Module, placement, device_mesh, src_data_rank, only=("weight", "bias")) -> None:
+    """Swap `module`'s own parameters (not its children's) named in `only` for DTensors placed
+    so, keeping requires_grad (the frozen base stays frozen)."""
+    for key, param in list(module.named_parameters(recurse=False)):
+        if key in only:
+            dist = distribute_tensor(param.data, device_mesh, [placement], src_data_rank=src_data_rank)
+            module.register_parameter(key, nn.Parameter(dist, requires_grad=param.requires_grad))
 
 
 def _has_module(model: nn.Module, path: str) -> bool:
@@ -137,7 +178,11 @@ def _has_module(model: nn.Module, path: str) -> bool:
 def apply_tp(model: nn.Module, tp_mesh) -> None:
     tied = getattr(model, "output", None) is not None and model.tok_embeddings is not None and (
         model.output.weight is model.tok_embeddings.weight)
+    frozen = {name for name, p in model.named_parameters() if not p.requires_grad}
     parallelize_module(model, tp_mesh, tp_plan(model))
+    for name, p in model.named_parameters():
+        # SequenceParallel's replicated norms come back trainable; a frozen base (LoRA) stays frozen.
+        p.requires_grad_(name not in frozen)
     if tied:
         # TP replaces each module's parameter with its own DTensor; both are Shard(0) over the
         # vocabulary, so the tie is restored by sharing the embedding's.
