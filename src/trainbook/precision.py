@@ -106,6 +106,28 @@ def fsdp_policy(dtype: str):
     return MixedPrecisionPolicy(param_dtype=COMPUTE_DTYPES[dtype], reduce_dtype=torch.float32)
 
 
+def hold_frozen_projections(model: torch.nn.Module, dtype: str) -> int:
+    """Keep every frozen projection weight (an `nn.Linear`'s, LoRA's base among them) in the
+    compute dtype `dtype` instead of fp32; returns how many. Nothing else changes: autocast and
+    FSDP's policy cast such a weight to the compute dtype for every matmul anyway (the same
+    round-to-nearest), so storing the cast once computes the same bits, while the weight takes
+    half the memory and autocast makes no copy of it. A frozen weight has no master copy to keep
+    precise. Trainable weights, norms and embedding tables (and a head tied to one: the lookup
+    is not autocast) stay fp32. fp32: nothing to do."""
+    lowered = COMPUTE_DTYPES[dtype]
+    if lowered == torch.float32:
+        return 0
+    tables = {id(m.weight) for m in model.modules() if isinstance(m, torch.nn.Embedding)}
+    count = 0
+    for module in model.modules():
+        w = getattr(module, "weight", None)
+        if (isinstance(module, torch.nn.Linear) and w is not None and not w.requires_grad
+                and id(w) not in tables and w.dtype == torch.float32):
+            w.data = w.data.to(lowered)
+            count += 1
+    return count
+
+
 class LossScaler:
     """Dynamic loss scaling: backward of `scale(loss)`, then `unscale_` the gradients; a step
     whose gradients hold inf/NaN is skipped and the scale multiplied by `backoff_factor` (not

@@ -115,7 +115,8 @@ class TrainConfig(Section):
 class PrecisionConfig(Section):
     dtype: Literal["fp32", "bf16", "fp16"] = "fp32"
     """Compute dtype: `bf16`/`fp16` run forward/backward in that dtype (autocast, or FSDP's
-    mixed-precision policy); weights, optimizer state and gradient reduction stay fp32.
+    mixed-precision policy); trained weights, optimizer state and gradient reduction stay fp32
+    (frozen projection weights, e.g. LoRA's base, are held in the compute dtype: precision.py).
     `fp16` adds dynamic loss scaling."""
     loss_scale_init: float = Field(default=2.0**16, gt=0)
     """fp16: the first loss scale."""

@@ -94,7 +94,7 @@ def _simulate_rank(cfg: PlanInputs, dims: ParallelDims, rank: int) -> dict:
 
     from trainbook.parallel.apply import ApplyOptions, parallelize
     from trainbook.parallel.pipeline import StageGroup, rank_stages
-    from trainbook.precision import fsdp_policy
+    from trainbook.precision import fsdp_policy, hold_frozen_projections
 
     # DDP (`replicate`) checks shapes with .item(), which meta tensors refuse, and leaves every
     # parameter as it is: simulate without it.
@@ -108,7 +108,8 @@ def _simulate_rank(cfg: PlanInputs, dims: ParallelDims, rank: int) -> dict:
             warnings.simplefilter("ignore")
             mesh = dims.build_mesh("cpu")
             model = build_model(cfg.model, "meta", seed=0)
-            apply_lora(model, cfg.lora, seed=0)  # as the trainer's surgery does: the base frozen
+            apply_lora(model, cfg.lora, seed=0)  # as the trainer's surgery does: the base frozen,
+            hold_frozen_projections(model, cfg.dtype)  # its projections in the compute dtype
             pp_rank = dims.coordinate(rank)["pp"]
             if dims.pp > 1:
                 held = StageGroup([module for _, module in rank_stages(

@@ -128,13 +128,14 @@ def weight_casts(cfg: PlanInputs, dims: ParallelDims, held: dict) -> dict[str, i
     """Bytes of the bf16 weight copies autocast makes (cached for the forward, saved for backward)
     per checkpointing mode: every projection and head weight this rank holds, or with
     checkpointing only the head's (inside a checkpointed block they are dropped after forward).
-    None in fp32, and none under FSDP, which gathers the weights in bf16 itself."""
+    None in fp32, none under FSDP, which gathers the weights in bf16 itself, and none of a weight
+    held in the compute dtype already (a frozen projection, precision.hold_frozen_projections)."""
     if cfg.dtype == "fp32" or (dims.dp > 1 and cfg.parallel.data_parallel == "fsdp"):
         return {"none": 0, "full": 0, "selective": 0}
     head_name = "tok_embeddings.weight" if cfg.model.tie_embeddings and dims.pp == 1 else "output.weight"
-    blocks = sum(d["param_bytes"] for n, d in held["params"].items()
-                 if n.startswith("layers.") and len(d["shape"]) == 2) // 2
-    head = held["params"][head_name]["param_bytes"] // 2 if head_name in held["params"] else 0
+    fp32 = {n: d for n, d in held["params"].items() if d["dtype"] == "float32"}
+    blocks = sum(d["param_bytes"] for n, d in fp32.items() if n.startswith("layers.") and len(d["shape"]) == 2) // 2
+    head = fp32[head_name]["param_bytes"] // 2 if head_name in fp32 else 0
     return {"none": blocks + head, "full": head, "selective": head}
 
 

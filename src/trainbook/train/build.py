@@ -36,7 +36,7 @@ from trainbook.parallel.dims import ParallelDims
 from trainbook.parallel.plan_memory import PlanInputs
 from trainbook.parallel.runtime import Runtime
 from trainbook.phase import PhaseTracker
-from trainbook.precision import Precision
+from trainbook.precision import Precision, hold_frozen_projections
 from trainbook.runs import RunPaths
 from trainbook.train.bad_steps import BadSteps
 from trainbook.train.engine import LocalEngine, PipelineEngine, lm_loss
@@ -181,11 +181,14 @@ def full_model(cfg: Config, device: torch.device) -> nn.Module:
 
 def surgery(model: nn.Module, cfg: Config) -> tuple[nn.Module, list[str]]:
     """Fine-tuning surgery (train.reinit, train.freeze, then `[lora]`'s adapters, which freeze
-    the rest); the notes on patterns that match nothing (reported once the run log exists)."""
+    the rest; frozen projections then held in the compute dtype); the notes on patterns that
+    match nothing (reported once the run log exists)."""
     unmatched = reinit(model, cfg.train.reinit, cfg.model.init_std, cfg.run.seed + 1)
     unmatched += freeze(model, cfg.train.freeze)
     notes = [f"pattern {p!r} in train.freeze/train.reinit matches no parameter" for p in unmatched]
-    return model, notes + apply_lora(model, cfg.lora, cfg.run.seed + 3)  # adapters on the loaded base
+    notes += apply_lora(model, cfg.lora, cfg.run.seed + 3)  # adapters on the loaded base
+    hold_frozen_projections(model, cfg.precision.dtype)
+    return model, notes
 
 
 def build_engine(model: nn.Module, cfg: Config, rt: Runtime, precision: Precision,

@@ -16,7 +16,7 @@ from trainbook.errors import TrainbookError
 from trainbook.model import build_model, resolve
 from trainbook.model.lora import LoRALinear, apply_lora, merged_state_dict, targeted
 from trainbook.phase import PhaseTracker
-from trainbook.precision import Precision
+from trainbook.precision import Precision, hold_frozen_projections
 from trainbook.train.engine import LocalEngine
 from trainbook.train.objective import NextTokenLoss
 from trainbook.train.optim import build_optimizer
@@ -120,6 +120,40 @@ def test_training_moves_the_adapters_only_and_the_optimizer_holds_their_state_al
     assert all(p.any() for name, p in adapters.items() if name.endswith("lora_b.weight"))  # B trained
     assert {id(p) for p in optimizer.state} == {id(p) for p in adapters.values()}
     assert sum(len(g["params"]) for g in optimizer.param_groups) == len(adapters)
+
+
+@pytest.mark.parametrize("tie", [True, False], ids=["tied-head", "own-head"])
+def test_a_frozen_base_held_in_bf16_trains_bitwise_as_the_fp32_base_under_bf16_autocast(tie):
+    """precision.hold_frozen_projections: autocast casts every projection weight to bf16 for its
+    matmul; holding the frozen ones in bf16 computes the same bits in half the memory."""
+    runs = {}
+    for held in ("fp32", "bf16"):
+        model = _model(qkv_bias=True, tie_embeddings=tie)
+        apply_lora(model, LoraConfig(rank=4, targets=["wq", "wv", "w2"]), seed=3)
+        lowered = hold_frozen_projections(model, held) if held == "bf16" else 0
+        dtypes = {name: p.dtype for name, p in model.named_parameters()}
+        optimizer = build_optimizer(model, OptimConfig(lr=1e-2))
+        precision = Precision(PrecisionConfig(dtype="bf16"), CPU)
+        step = Step(LocalEngine.one_process(model, precision), NextTokenLoss(2), optimizer,
+                    precision.loss_scaler(), PhaseTracker(), 1.0, 2)
+        g, losses = torch.Generator().manual_seed(0), []
+        for n in range(1, 4):
+            step.tracker.begin_step(n)
+            windows = [torch.randint(0, 256, (2, 17), generator=g) for _ in range(2)]
+            losses.append(step(iter([Batch(w[:, :-1], w[:, 1:], None) for w in windows])).loss)
+        runs[held] = losses, {k: v for k, v in model.state_dict().items() if ".lora_" in k}, dtypes, lowered
+
+    (losses32, adapters32, _, _), (losses16, adapters16, dtypes, lowered) = runs["fp32"], runs["bf16"]
+    assert losses16 == losses32
+    assert all(torch.equal(adapters16[k], adapters32[k]) for k in adapters32)
+    # Every projection weight of the blocks (7 a block) and an own head went to bf16; the adapters,
+    # biases, norms and the embedding table (and a head tied to it) stayed fp32.
+    n_blocks = len({k.split(".")[1] for k in dtypes if k.startswith("layers.")})
+    assert lowered == 7 * n_blocks + (0 if tie else 1)
+    low = {k for k, d in dtypes.items() if d == torch.bfloat16}
+    assert all(k.endswith(".weight") and ".lora_" not in k and "norm" not in k for k in low), low
+    assert dtypes["tok_embeddings.weight"] == torch.float32 and dtypes["layers.0.attention.wq.bias"] == torch.float32
+    assert ("output.weight" in low) == (not tie)
 
 
 def test_targets_that_name_no_linear_module_are_refused_in_one_line():

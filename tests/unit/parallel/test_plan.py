@@ -225,7 +225,8 @@ def test_llama3_8b_sharded_8_ways_with_checkpointing_fits(llama8b):
 
 def test_lora_on_llama3_8b_holds_the_frozen_base_and_trains_only_the_adapters(llama8b):
     """The same 8B on one 80 GiB rank with rank-16 adapters on every linear layer of the blocks:
-    the base's weights stay (fp32, as the trainer holds them), its gradients and AdamW state go."""
+    the base's weights stay (fp32 in an fp32 run, as the trainer holds them), its gradients and
+    AdamW state go."""
     plan = plan_json(1, LLAMA8B + ["lora.rank=16"], "80GiB")
     n = plan["model"]["params"]
     # Per block r (in + out) for wq, wk, wv, wo (4096 -> 4096, 1024, 1024, 4096) and w1, w3, w2 (4096 <-> 14336).
@@ -239,6 +240,12 @@ def test_lora_on_llama3_8b_holds_the_frozen_base_and_trains_only_the_adapters(ll
     assert plan["memory"]["fits"] is True
     text = plan_command(RECIPE, LLAMA8B + ["lora.rank=16"], 1, "80GiB", as_json=False)
     assert "LoRA rank 16, alpha 16: 41,943,040 adapter parameters train" in text
+
+    # Computing in bf16, the frozen projections (blocks and head) are held in bf16, as the trainer
+    # holds them; the embedding table, norms and adapters stay fp32.
+    bf16 = plan_json(1, LLAMA8B + ["lora.rank=16", "precision.dtype=bf16"], "80GiB")
+    projections = 32 * (2 * 4096 * 4096 + 2 * 4096 * 1024 + 3 * 4096 * 14336) + 128256 * 4096
+    assert bf16["memory"]["per_rank"][0]["params"] == 2 * projections + 4 * (n - projections + adapters)
 
 
 def test_more_ranks_hold_less_each(llama8b):
