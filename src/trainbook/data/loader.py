@@ -34,7 +34,7 @@ from torch.utils.data import DataLoader, Dataset
 from trainbook.data.chat import TRAINED
 from trainbook.data.mixture import MixtureOrder
 from trainbook.data.samples import (
-    Batch, check_packing, check_train_split, check_val_split, loss_select, make_batch, read_samples, to_batch,
+    Batch, check_packing, check_train_split, check_val_split, loss_select, make_batch, read_samples, to_batch, trim_padding,
 )
 from trainbook.data.shards import TokenStream
 from trainbook.errors import TrainbookError
@@ -151,7 +151,10 @@ class TrainLoader:
         on_reepoch: Callable[[str, int], None] | None = None,
         masks: dict[str, TokenStream] | None = None,
         loss_on: str = "auto",
+        pad_multiple: int = 0,
     ):
+        """`pad_multiple`: pad packing's micro-batches are cut after their last trained target,
+        their width rounded up to this (`samples.trim_padding`); 0 keeps seq_len."""
         assert 0 <= rank < world_size, (rank, world_size)
         check_packing(packing, eos_id)
         if set(streams) != set(weights):
@@ -177,6 +180,7 @@ class TrainLoader:
             warnings.warn("pin_memory=True has no effect without an accelerator", stacklevel=2)
             pin_memory = False
         self.pin_memory = pin_memory
+        self.pad_multiple = pad_multiple if packing == "pad" else 0
         self.on_reepoch = on_reepoch
         # Batches per worker item: about WORKER_ITEM_TOKENS tokens, so the hand-off is amortised.
         self._group = max(1, WORKER_ITEM_TOKENS // (micro_batch_size * seq_len))
@@ -199,7 +203,7 @@ class TrainLoader:
         self._jump_skipped()
         self.last_base = self.consumed
         if self._workers is None:
-            batch = self.reader[self.consumed]
+            batch = self._trimmed(self.reader[self.consumed])
             if self.pin_memory:
                 batch = Batch(*(None if t is None else t.pin_memory() for t in batch))
         else:
@@ -212,9 +216,16 @@ class TrainLoader:
                 self._pending = [Batch(*(None if t is None else t[i] for t in group))
                                  for i in range(self._group)][::-1]
             batch = self._pending.pop()
+            trimmed = self._trimmed(batch)
+            if trimmed is not batch and self.pin_memory:  # the cut is a copy: pinned again
+                trimmed = Batch(*(None if t is None else t.pin_memory() for t in trimmed))
+            batch = trimmed
         self.consumed += self._step_samples
         self._report_reepochs()
         return batch
+
+    def _trimmed(self, batch: Batch) -> Batch:
+        return trim_padding(batch, self.pad_multiple) if self.pad_multiple else batch
 
     def _report_reepochs(self) -> None:
         epochs = self.order.epochs_started(self.consumed)  # (S,)
@@ -288,26 +299,27 @@ class DeliveredMix:
 def val_batches(
     stream: TokenStream, seq_len: int, micro_batch_size: int, n_batches: int,
     packing: str = "concat", *, eos_id: int | None = None, masks: TokenStream | None = None,
-    loss_on: str = "auto",
+    loss_on: str = "auto", pad_multiple: int = 0,
 ) -> Iterator[Batch]:
     """The first `n_batches` validation batches, the same ones in the same order every call.
 
     Samples are taken in stream order (0, 1, 2, ...), wrapping around to the start when the
     split has fewer than `n_batches * micro_batch_size` samples, so evaluations are comparable
     across steps and runs. `packing="document"` adds positions, as for training; `"pad"` takes
-    the documents in order, padded.
+    the documents in order, padded (and cut as training's are with `pad_multiple`).
     """
     check_packing(packing, eos_id)
     n = check_val_split(stream, seq_len, packing)  # here, not on the first next(): the call that set it up
     return _val_batches(stream, seq_len, micro_batch_size, n_batches, n,
                         eos_id if packing == "document" else None, masks, loss_select(loss_on),
-                        eos_id if packing == "pad" else None)
+                        eos_id if packing == "pad" else None, pad_multiple if packing == "pad" else 0)
 
 
 def _val_batches(
     stream: TokenStream, seq_len: int, micro_batch_size: int, n_batches: int, n: int,
-    eos_id: int | None, masks: TokenStream | None, select: int, pad_id: int | None,
+    eos_id: int | None, masks: TokenStream | None, select: int, pad_id: int | None, pad_multiple: int,
 ) -> Iterator[Batch]:
     for b in range(n_batches):
         sample_ids = np.arange(b * micro_batch_size, (b + 1) * micro_batch_size) % n  # (B,)
-        yield make_batch(stream, sample_ids, seq_len, eos_id, masks, select, pad_id)
+        batch = make_batch(stream, sample_ids, seq_len, eos_id, masks, select, pad_id)
+        yield trim_padding(batch, pad_multiple) if pad_multiple else batch

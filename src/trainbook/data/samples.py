@@ -23,6 +23,12 @@ under causal attention the document's tokens, which come first, never see the pa
 `positions` are needed, each row starts at position 0. A document longer than T + 1 tokens is
 cut to its first T + 1 (its later targets are not trained): `PaddingReport` counts them and
 the waste, the share of the B x T positions whose target is padding; the pre-flight prints it.
+
+A padded micro-batch is then cut after its last trained target (`trim_padding`), rounded up to
+a multiple (8, times tp where sequence parallel splits the columns), as Hugging Face collators pad
+to the batch's longest row: the columns cut hold only padding and untrained tokens that no earlier
+position attends to (causal), so the loss and every gradient are those of the uncut batch, for
+less work. Pipelines keep seq_len (their stages' shapes are fixed).
 """
 
 from __future__ import annotations
@@ -122,6 +128,21 @@ def to_batch(tokens: np.ndarray, eos_id: int | None, bits: np.ndarray | None = N
     tokens = torch.from_numpy(tokens)
     # Two contiguous tensors rather than two strided views of one: callers may .view() them.
     return Batch(tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous(), positions, loss_mask=mask)
+
+
+def trim_padding(batch: Batch, multiple: int) -> Batch:
+    """`batch` without the columns after its last trained target (any row), the kept width
+    rounded up to `multiple` (at most the batch's own); the same batch when nothing can go."""
+    if batch.loss_mask is None:
+        return batch
+    trained = torch.nonzero(batch.loss_mask.any(dim=0))
+    width = batch.inputs.shape[1]
+    keep = min(width, -(-(int(trained[-1]) + 1 if len(trained) else 1) // multiple) * multiple)
+    if keep == width:
+        return batch
+    cut = lambda t: None if t is None else t[:, :keep].contiguous()  # noqa: E731
+    return batch._replace(inputs=cut(batch.inputs), targets=cut(batch.targets), positions=cut(batch.positions),
+                          loss_mask=cut(batch.loss_mask))
 
 
 def make_batch(

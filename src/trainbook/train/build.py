@@ -115,7 +115,7 @@ def build_trainer(settled: Settled, paths: RunPaths, data: Prepared, rt: Runtime
     return Trainer(
         settled, paths, rt, tracker=tracker, step=step, schedule=LRSchedule(cfg.schedule, cfg.optim.lr,
                                                                               cfg.train.max_steps),
-        batches=batches, val_batches=build_val_batches(cfg, data), state=state, observers=observers, bad=bad,
+        batches=batches, val_batches=build_val_batches(cfg, data, rt.dims), state=state, observers=observers, bad=bad,
         reports=reports, checkpointer=checkpointer, oom=oom, logger=logger, events=events, monitors=monitors,
         closing=closing, notes=notes, trainable=trainable,
     )
@@ -225,8 +225,14 @@ def build_train_loader(cfg: Config, data: Prepared, rt: Runtime, on_reepoch) -> 
         data.train, {s.name: s.weight for s in d.sources}, t.seq_len, t.micro_batch_size,
         seed=cfg.run.seed, rank=rt.dp_rank, world_size=rt.dims.dp, packing=d.packing,
         eos_id=data.tokenizer.eos_id, num_workers=d.num_workers, pin_memory=pin, on_reepoch=on_reepoch,
-        masks=data.train_masks, loss_on=t.loss_on,
+        masks=data.train_masks, loss_on=t.loss_on, pad_multiple=pad_multiple(rt.dims),
     )
+
+
+def pad_multiple(dims: ParallelDims) -> int:
+    """Pad packing cuts a micro-batch to its trained width rounded up to this: 8, times tp
+    (sequence parallel splits the columns); 0 under a pipeline, whose stages' shapes are fixed."""
+    return 0 if dims.pp > 1 else 8 * dims.tp
 
 
 def step_batches(loader: TrainLoader, tracker: PhaseTracker, cfg: Config,
@@ -249,12 +255,13 @@ def data_step(batches: StepBatches, samples_per_step: int) -> int:
     return batches.taken[0][0] // samples_per_step + 1
 
 
-def build_val_batches(cfg: Config, data: Prepared) -> list:
+def build_val_batches(cfg: Config, data: Prepared, dims: ParallelDims) -> list:
     t = cfg.train
     if t.eval_every == 0:
         return []
     return list(val_batches(data.val, t.seq_len, t.micro_batch_size, t.eval_steps, cfg.data.packing,
-                            eos_id=data.tokenizer.eos_id, masks=data.val_mask, loss_on=t.loss_on))
+                            eos_id=data.tokenizer.eos_id, masks=data.val_mask, loss_on=t.loss_on,
+                            pad_multiple=pad_multiple(dims)))
 
 
 def build_stragglers(cfg: Config, rt: Runtime, tracker: PhaseTracker, is_logged) -> StragglerObserver | None:

@@ -104,6 +104,46 @@ def test_padding_is_never_trained_whatever_loss_on(tmp_path):
     assert first.loss_mask.sum(dim=1).tolist() == [LENGTHS[0] - 1, LENGTHS[1] - 1]
 
 
+def test_a_micro_batch_cut_after_its_last_trained_target_computes_the_same_loss_and_gradients(tmp_path):
+    """`pad_multiple`: the loader cuts pad packing's micro-batches after their last trained
+    target, rounded up to the multiple; what is cut is padding and untrained tokens nothing before
+    them attends to, so the loss and gradients are the uncut batch's."""
+    documents = _documents()
+    stream, masks = _shards(tmp_path, documents)
+
+    def loader(multiple: int, micro_batch_size: int) -> TrainLoader:
+        return TrainLoader({"chat": stream}, {"chat": 1.0}, T, micro_batch_size, seed=0, packing="pad", eos_id=EOS,
+                           masks={"chat": masks}, pad_multiple=multiple)
+
+    model = build_model(resolve(ModelConfig(name="debug")), torch.device("cpu"), seed=0)
+    for multiple, micro_batch_size in ((1, 1), (8, 1), (8, 2)):
+        uncut, cut = loader(0, micro_batch_size), loader(multiple, micro_batch_size)
+        widths = []
+        for _ in range(4 // micro_batch_size):
+            whole, short = next(uncut), next(cut)
+            last = int(torch.nonzero(whole.loss_mask.any(dim=0))[-1]) + 1
+            width = short.inputs.shape[1]
+            widths.append(width)
+            assert width == min(T, -(-last // multiple) * multiple)
+            for name in ("inputs", "targets", "loss_mask"):
+                assert torch.equal(getattr(short, name), getattr(whole, name)[:, :width]), name
+            assert trained_tokens(short) == trained_tokens(whole)
+            losses, grads = [], []
+            for batch in (whole, short):
+                model.zero_grad()
+                loss = masked_loss_sum(model, batch) / trained_tokens(batch)
+                loss.backward()
+                losses.append(loss.item())
+                grads.append(torch.cat([p.grad.flatten() for p in model.parameters()]))
+            assert abs(losses[0] - losses[1]) < 1e-6
+            torch.testing.assert_close(grads[1], grads[0], rtol=0, atol=1e-6)
+        if micro_batch_size == 1:  # one document a row, its last trained target at 4, 16, 8, 24
+            assert sorted(widths) == ([4, 8, 16, 24] if multiple == 1 else [8, 8, 16, 24]), widths
+    # Validation batches are cut the same way.
+    first = next(val_batches(stream, T, 2, 1, "pad", eos_id=EOS, masks=masks, pad_multiple=8))
+    assert first.inputs.shape == (2, 16)
+
+
 def test_the_padding_waste_is_counted_as_by_hand(tmp_path):
     stream, _ = _shards(tmp_path, _documents())
     report = padding_report([stream], T)
