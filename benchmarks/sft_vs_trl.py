@@ -10,7 +10,7 @@ Hugging Face Llama, tokenizer, ChatML template (tests/data/chatml-generation.jin
   LoRA step   the same with PEFT's LoRA (same rank, alpha, targets); TRL starts from trainbook's
               A matrices (B is zero on both sides), so the adapters start equal
   epoch       tokens/s of one epoch over a larger set (the same real tokens on both sides),
-              full and LoRA; trainbook with pad packing (one conversation per row, as TRL pads)
+              full and LoRA; trainbook with pad packing (one conversation per row, cut to the batch, as TRL pads)
               and with document packing
   LoRA/full   trainbook's tokens/s and peak memory (the process's high-water RSS, as trainbook
               reports it on CPU) for LoRA against full fine-tuning, one process each; and what
@@ -415,7 +415,7 @@ def compare(work: Path, args) -> int:
         print("  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip())
     print(f"\nstep loss as each trainer reported it: trainbook {full['step_loss']:.6f} (lr {full['lr']:g}), "
           f"TRL {trl_out['full_step_loss']:.6f}; TRL pads each batch to its longest row, trainbook's pad packing "
-          f"to seq_len {args.seq_len}")
+          f"cuts it after its last trained target (a multiple of 8, at most seq_len {args.seq_len})")
     return 0
 
 
