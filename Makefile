@@ -37,15 +37,17 @@ $(STAMP): pyproject.toml Makefile
 run: $(STAMP)
 	$(BIN)/trainbook run
 
-# Two workers: the suite's processes leave a core idle about half the time on their own (rendezvous,
-# start-up, timeouts). Tests sharing a module fixture or a trained run keep to one worker. One
+# Three workers on two cores: the suite's processes leave a core idle a good part of the time on
+# their own (rendezvous, start-up, timeouts, a hung rank's grace before torchrun kills it); a third
+# worker fills it (a clean clone's `make test`: 20 min 45 s with two, 18 min 10 s with three, both
+# with bytecode cached). Tests sharing a module fixture or a trained run keep to one worker. One
 # thread a process (OMP_NUM_THREADS=1, which every trainbook and torchrun child inherits): beside
-# the other worker, an intra-op pool's threads spin waiting for one another on a busy core (200
+# the other workers, an intra-op pool's threads spin waiting for one another on a busy core (200
 # fp32 steps of the debug model took 172 s of CPU on 2 threads there, 5.4 s on one). Tests marked
 # `solo` judge the machine's speed (a throughput alert and its cause): they run afterwards, alone,
-# with torch's default threads, where the other worker's load cannot be taken for the machine's.
+# with torch's default threads, where the other workers' load cannot be taken for the machine's.
 test: $(STAMP)
-	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -n 2 --dist loadgroup -m "not solo"
+	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -n 3 --dist loadgroup -m "not solo"
 	$(BIN)/python -m pytest -q -m solo
 
 bench: $(STAMP)
