@@ -1,7 +1,8 @@
-"""LoRA under FSDP2 and under tensor parallel: the real `trainbook run` of a tiny Hugging Face
+"""LoRA under FSDP2, tensor parallel and DDP: the real `trainbook run` of a tiny Hugging Face
 Llama with adapters on every linear layer, on one process, on two ranks sharding every block
-(frozen base weights and trainable adapters in one FSDP unit) and on two tensor-parallel ranks
-(base, A and B split by the adapter-aware column- and row-wise styles). Each layout equals the
+(frozen base weights and trainable adapters in one FSDP unit), on two tensor-parallel ranks
+(base, A and B split by the adapter-aware column- and row-wise styles) and on two DDP replicas
+(gradients all-reduced for the adapters alone). Each layout equals the
 single process (losses, adapters) within float tolerance; the base leaves every run bitwise as the
 folder holds it; the checkpoints hold optimizer state for the adapters alone, and export for PEFT
 like the single process's."""
@@ -29,10 +30,12 @@ def _losses(run_dir: Path) -> list[float]:
     return [r["loss"] for r in lines if r["kind"] == "train"]
 
 
-LAYOUTS = {"fsdp": ("parallel.dp_shard=2",), "tp": ("parallel.tp=2",)}
+LAYOUTS = {"fsdp": ("parallel.dp_shard=2",), "tp": ("parallel.tp=2",),
+           "ddp": ("parallel.data_parallel=ddp", "parallel.dp_replicate=2", "parallel.dp_shard=1")}
+BANNER = {"fsdp": "dp_shard 2", "tp": "tp 2", "ddp": "dp_replicate 2"}
 
 
-def test_lora_under_fsdp2_and_tp_equals_one_process_and_keeps_the_base_frozen(tmp_path):
+def test_lora_under_fsdp2_tp_and_ddp_equals_one_process_and_keeps_the_base_frozen(tmp_path):
     _folder(tmp_path)
     one = tmp_path / "one"
     done = run_cli("run", str(RECIPE), *STEPS, "--run-dir", str(one), cwd=tmp_path)
@@ -43,7 +46,7 @@ def test_lora_under_fsdp2_and_tp_equals_one_process_and_keeps_the_base_frozen(tm
         two = tmp_path / layout
         done = run_cli("run", str(RECIPE), *STEPS, *overrides, "--nproc", "2", "--run-dir", str(two), cwd=tmp_path)
         assert done.returncode == 0, done.stderr
-        assert ("dp_shard 2" if layout == "fsdp" else "tp 2") in done.stdout
+        assert BANNER[layout] in done.stdout, done.stdout[-2000:]
 
         assert len(_losses(two)) == 3
         torch.testing.assert_close(_losses(two), _losses(one), rtol=0, atol=1e-5, msg=layout)
