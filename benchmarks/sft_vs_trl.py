@@ -6,7 +6,8 @@ Hugging Face Llama, tokenizer, ChatML template (tests/data/chatml-generation.jin
               shards (ids + mask bytes) against SFTTrainer's collator output, integer equality
   loss        the masked loss of the same batch before any step (trainbook: pad packing)
   full step   every parameter after one AdamW step over that batch (fp32, constant lr, no
-              warmup, no weight decay, clip 1.0, betas 0.9/0.999)
+              warmup, no weight decay, clip 1.0, betas 0.9/0.999), at each of --step-lrs: TRL's
+              SFT default 2e-5, and 1e-3 (where Adam's first step shows its sensitivity)
   LoRA step   the same with PEFT's LoRA (same rank, alpha, targets); TRL starts from trainbook's
               A matrices (B is zero on both sides), so the adapters start equal
   epoch       tokens/s of one epoch over a larger set (the same real tokens on both sides),
@@ -100,7 +101,7 @@ def write_model(folder: Path, texts: list[str], dim: int, layers: int) -> None:
 
 
 def write_recipe(work: Path, name: str, data: Path, args, *, lora: int = 0, packing: str = "pad",
-                 steps: int = 1) -> Path:
+                 steps: int = 1, lr: float | None = None) -> Path:
     recipe = work / f"{name}.toml"
     lora_block = (f'[lora]\nrank = {lora}\nalpha = {args.alpha}\ntargets = {json.dumps(OURS_TARGETS)}\n'
                   if lora else "")
@@ -141,7 +142,7 @@ compile = false
 loss_on = "assistant"
 
 [optim]
-lr = {args.lr}
+lr = {args.lr if lr is None else lr}
 weight_decay = 0.0
 beta1 = 0.9
 beta2 = 0.999
@@ -192,11 +193,12 @@ def trainbook_labels(data) -> list[dict]:
     return out
 
 
-def trainbook_step(work: Path, args, lora: int) -> dict:
+def trainbook_step(work: Path, args, lora: int, lr: float) -> dict:
     """The first batch's masked loss, the LoRA A matrices at the start, and every parameter after
-    one step (Hugging Face / PEFT names)."""
-    recipe = write_recipe(work, f"step-{'lora' if lora else 'full'}", work / "step.jsonl", args, lora=lora)
-    with trainer_of(recipe, work, f"step-{lora}") as (trainer, data, cfg):
+    one step at learning rate `lr` (Hugging Face / PEFT names)."""
+    tag = f"step-{'lora' if lora else 'full'}-{lr:g}"
+    recipe = write_recipe(work, tag, work / "step.jsonl", args, lora=lora, lr=lr)
+    with trainer_of(recipe, work, tag) as (trainer, data, cfg):
         stream, masks = data.train["chat"], data.train_masks["chat"]
         batch = make_batch(stream, np.arange(args.batch), args.seq_len, None, masks, loss_select("assistant"),
                            pad_id=data.tokenizer.eos_id)
@@ -274,6 +276,35 @@ def max_diff(ours: dict[str, torch.Tensor], theirs: dict[str, torch.Tensor]) -> 
     return worst, where, len(ours)
 
 
+def after_one_step(work: Path, lr: float, full: dict, lora: dict, ours_grads: dict) -> list[tuple]:
+    """Table rows: every parameter (full) and every adapter (LoRA) after one step at `lr`, against
+    TRL's. Adam's first step moves a weight by lr * g / (|g| + eps): where |g| is small, the last
+    bits of g, which two implementations sum in different orders, decide a visible fraction of lr.
+    The rows say how large the gradient is wherever the parameters differ by more than 1e-6."""
+    theirs_full = torch.load(work / "trl" / f"full-{lr:g}.pt")
+    ours_after = to_hf_state_dict(full["after"], tied=False)
+    full_diff = max_diff(ours_after, theirs_full)
+    over = [(k, (ours_after[k] - theirs_full[k]).abs() > 1e-6) for k in ours_after]
+    n_over = sum(int(m.sum()) for _, m in over)
+    n_all = sum(m.numel() for _, m in over)
+    g_over = max((ours_grads[k][m].abs().max().item() for k, m in over if m.any()), default=0.0)
+    where = f", all with |g| <= {g_over:.1e} (eps 1e-8)" if n_over else ""
+    theirs_lora = {k.replace(".default.", "."): v for k, v in torch.load(work / "trl" / f"lora-{lr:g}.pt").items()}
+    adapters = to_peft_state_dict(lora["after"])
+    lora_diff = max_diff(adapters, theirs_lora)
+    lora_over = sum(int(((adapters[k] - theirs_lora[k]).abs() > 1e-6).sum()) for k in adapters)
+    lora_all = sum(v.numel() for v in adapters.values())
+    base_unchanged = all(torch.equal(lora["after"][k], lora["start"][k]) for k in lora["start"]
+                         if ".lora_" not in k)
+    return [
+        (f"full, lr {lr:g}: params after 1 step, max |diff|", f"{full_diff[0]:.2e}",
+         f"{n_over} of {n_all:,} weights over 1e-6{where}; max |diff| / lr {full_diff[0] / lr:.1e}", "< 1e-6"),
+        (f"LoRA, lr {lr:g}: adapters after 1 step, max |diff|", f"{lora_diff[0]:.2e}",
+         f"{lora_over} of {lora_all:,} over 1e-6; max |diff| / lr {lora_diff[0] / lr:.1e}; base bitwise "
+         f"unchanged: {base_unchanged}", "< 1e-6"),
+    ]
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--role", default="main", choices=["main", "epoch"])
@@ -281,7 +312,9 @@ def main() -> int:
     parser.add_argument("--conversations", type=int, default=512, help="conversations in the timed epoch")
     parser.add_argument("--batch", type=int, default=16)
     parser.add_argument("--seq-len", type=int, default=160, help="above the longest conversation: nothing is cut")
-    parser.add_argument("--lr", type=float, default=1e-3)
+    parser.add_argument("--lr", type=float, default=1e-3, help="the epochs' learning rate")
+    parser.add_argument("--step-lrs", default="2e-5,1e-3",
+                        help="learning rates of the one-step comparison (2e-5: TRL's SFT default)")
     parser.add_argument("--grad-clip", type=float, default=1.0)
     parser.add_argument("--rank", type=int, default=8)
     parser.add_argument("--alpha", type=float, default=16.0)
@@ -314,17 +347,19 @@ def compare(work: Path, args) -> int:
           f"conversations, batch {args.batch}, seq_len {args.seq_len}, lr {args.lr}, {args.threads} threads",
           flush=True)
 
-    # trainbook first: its LoRA A matrices are TRL's starting point.
-    lora = trainbook_step(work, args, args.rank)
-    start_a = to_peft_state_dict(lora["start"])
+    # trainbook first: its LoRA A matrices are TRL's starting point (the same at every lr: seed 0).
+    step_lrs = [float(x) for x in args.step_lrs.split(",")]
+    steps = {(lr, r): trainbook_step(work, args, r, lr) for lr in step_lrs for r in (args.rank, 0)}
+    start_a = to_peft_state_dict(steps[(step_lrs[0], args.rank)]["start"])
     import safetensors.torch
     safetensors.torch.save_file({k: v.contiguous() for k, v in start_a.items()}, work / "lora_a0.safetensors")
-    full = trainbook_step(work, args, 0)
+    full = steps[(step_lrs[0], 0)]
 
     spec = {"model": str(work / "model"), "template": str(TEMPLATE), "step_data": str(work / "step.jsonl"),
             "epoch_data": str(work / "epoch.jsonl"), "batch": args.batch, "seq_len": args.seq_len, "lr": args.lr,
             "grad_clip": args.grad_clip, "rank": args.rank, "alpha": args.alpha, "lora_targets": PEFT_TARGETS,
-            "lora_a0": str(work / "lora_a0.safetensors"), "threads": args.threads}
+            "lora_a0": str(work / "lora_a0.safetensors"), "threads": args.threads,
+            "step_lrs": step_lrs}
     (work / "spec.json").write_text(json.dumps(spec))
     print("TRL side (its own venv) ...", flush=True)
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
@@ -352,28 +387,11 @@ def compare(work: Path, args) -> int:
         print(f"note: the longest conversation has {longest} tokens; with --seq-len {args.seq_len} both sides cut "
               "it (differently): raise --seq-len to compare exactly")
 
-    # Parameters after one step.
-    theirs_full = torch.load(work / "trl" / "full.pt")
-    ours_after = to_hf_state_dict(full["after"], tied=False)
-    full_diff = max_diff(ours_after, theirs_full)
     ours_grads = to_hf_state_dict(full["grads"], tied=False)
-    theirs_grads = torch.load(work / "trl" / "grads.pt")
-    grad_diff = max_diff(ours_grads, theirs_grads)
+    grad_diff = max_diff(ours_grads, torch.load(work / "trl" / "grads.pt"))
     grad_max = max(g.abs().max().item() for g in ours_grads.values())
-    # Adam's first step moves a weight by lr * g / (|g| + eps): a gradient near eps (1e-8) moves it
-    # by a fraction of lr that its last bits decide. Where the parameters differ by more than
-    # 1e-6, how large is the gradient?
-    over = [(k, (ours_after[k] - theirs_full[k]).abs() > 1e-6) for k in ours_after]
-    n_over = sum(int(m.sum()) for _, m in over)
-    n_all = sum(m.numel() for _, m in over)
-    g_over = max((ours_grads[k][m].abs().max().item() for k, m in over if m.any()), default=0.0)
-    theirs_lora = {k.replace(".default.", "."): v for k, v in torch.load(work / "trl" / "lora.pt").items()}
-    adapters = to_peft_state_dict(lora["after"])
-    lora_diff = max_diff(adapters, theirs_lora)
-    lora_over = sum(int(((adapters[k] - theirs_lora[k]).abs() > 1e-6).sum()) for k in adapters)
-    lora_all = sum(v.numel() for v in adapters.values())
-    base_unchanged = all(torch.equal(lora["after"][k], lora["start"][k]) for k in lora["start"]
-                         if ".lora_" not in k)
+    step_rows = [row for lr in step_lrs
+                 for row in after_one_step(work, lr, steps[(lr, 0)], steps[(lr, args.rank)], ours_grads)]
 
     tb, tb_lora, tb_doc = epochs[("pad", 0)], epochs[("pad", args.rank)], epochs[("document", 0)]
     rate = lambda s: tokens / s  # noqa: E731  the same real tokens on every side
@@ -386,11 +404,7 @@ def compare(work: Path, args) -> int:
          f"trainbook {full['loss']:.8f} / TRL {trl_out['loss']:.8f}", "< 1e-6"),
         ("full: gradients of that loss, max |diff|", f"{grad_diff[0]:.2e}",
          f"{grad_diff[2]} tensors; largest |g| {grad_max:.1e}", "-"),
-        ("full: params after 1 step, max |diff|", f"{full_diff[0]:.2e}",
-         f"{n_over} of {n_all:,} weights over 1e-6, all with |g| <= {g_over:.1e} (eps 1e-8); "
-         f"update lr = {args.lr:g}", "< 1e-6"),
-        ("LoRA: adapters after 1 step, max |diff|", f"{lora_diff[0]:.2e}",
-         f"{lora_over} of {lora_all:,} over 1e-6; base bitwise unchanged: {base_unchanged}", "< 1e-6"),
+        *step_rows,
         ("epoch tokens/s, full: trainbook pad / TRL", f"{trl_out['full_epoch_s'] / tb['seconds']:.2f}x",
          f"{rate(tb['seconds']):,.0f} vs {rate(trl_out['full_epoch_s']):,.0f} tok/s; "
          f"{tb['steps']} vs {trl_out['full_epoch_steps']} steps; pad waste {tb['waste']:.1%}", ">= 1"),

@@ -6,7 +6,8 @@ writes what TRL's SFTTrainer makes of it to OUT:
   labels.json     per conversation: input_ids and labels as SFTTrainer's collator gives them
   result.json     the loss of the first batch (before any step); epoch seconds (full, LoRA)
   grads.pt        the gradients of that loss (HF names), before any step
-  full.pt, lora.pt  parameters after one optimizer step over the first batch (HF / PEFT names)
+  full-LR.pt, lora-LR.pt  parameters after one optimizer step over the first batch at learning
+                  rate LR, for each of the spec's step_lrs (HF / PEFT names)
 
 Usage: .venv-trl/bin/python benchmarks/sft_vs_trl_trl.py SPEC.json OUT
 """
@@ -26,11 +27,11 @@ import transformers
 import trl
 
 
-def _config(spec: dict, out: Path, steps: int | None, lora: bool) -> trl.SFTConfig:
+def _config(spec: dict, out: Path, steps: int | None, lr: float) -> trl.SFTConfig:
     kw = dict(
         output_dir=str(out / "trainer"), report_to="none", save_strategy="no", logging_steps=1,
         per_device_train_batch_size=spec["batch"], gradient_accumulation_steps=1,
-        learning_rate=spec["lr"], lr_scheduler_type="constant",
+        learning_rate=lr, lr_scheduler_type="constant",
         warmup_steps=0, weight_decay=0.0, adam_beta1=0.9, adam_beta2=0.999, adam_epsilon=1e-8,
         max_grad_norm=spec["grad_clip"], optim="adamw_torch", seed=0, data_seed=0, bf16=False, fp16=False,
         use_cpu=True, gradient_checkpointing=False, dataloader_num_workers=0,
@@ -59,9 +60,11 @@ def _lora(spec: dict) -> peft.LoraConfig:
                            target_modules=spec["lora_targets"], task_type="CAUSAL_LM")
 
 
-def _trainer(spec: dict, out: Path, records: list, steps: int | None, lora: bool) -> trl.SFTTrainer:
+def _trainer(spec: dict, out: Path, records: list, steps: int | None, lora: bool,
+             lr: float | None = None) -> trl.SFTTrainer:
     dataset = datasets.Dataset.from_list(records)
-    trainer = trl.SFTTrainer(model=_model(spec), args=_config(spec, out, steps, lora), train_dataset=dataset,
+    config = _config(spec, out, steps, spec["lr"] if lr is None else lr)
+    trainer = trl.SFTTrainer(model=_model(spec), args=config, train_dataset=dataset,
                              processing_class=_tokenizer(spec), peft_config=_lora(spec) if lora else None)
     if lora:  # start from trainbook's A (B is zero on both sides)
         start = safetensors.torch.load_file(spec["lora_a0"])
@@ -118,12 +121,13 @@ def main() -> int:
     result["batch_shape"] = list(batch["input_ids"].shape)
     torch.save({k: v.grad.clone() for k, v in trainer.model.named_parameters()}, out / "grads.pt")
 
-    # One optimizer step over that batch, full and LoRA.
-    for lora, name in ((False, "full"), (True, "lora")):
-        trainer = _trainer(spec, out, step_records, 1, lora=lora)
-        trainer.train()
-        result[f"{name}_step_loss"] = next(h["loss"] for h in trainer.state.log_history if "loss" in h)
-        torch.save(_params(trainer.model), out / f"{name}.pt")
+    # One optimizer step over that batch, full and LoRA, at each learning rate.
+    for lr in spec["step_lrs"]:
+        for lora, name in ((False, "full"), (True, "lora")):
+            trainer = _trainer(spec, out, step_records, 1, lora=lora, lr=lr)
+            trainer.train()
+            result[f"{name}_step_loss"] = next(h["loss"] for h in trainer.state.log_history if "loss" in h)
+            torch.save(_params(trainer.model), out / f"{name}-{lr:g}.pt")
 
     # An epoch of the larger set, timed, full and LoRA.
     for lora, name in ((False, "full"), (True, "lora")):
