@@ -1,9 +1,10 @@
-"""LoRA under FSDP2, tensor parallel and DDP: the real `trainbook run` of a tiny Hugging Face
-Llama with adapters on every linear layer, on one process, on two ranks sharding every block
-(frozen base weights and trainable adapters in one FSDP unit), on two tensor-parallel ranks
-(base, A and B split by the adapter-aware column- and row-wise styles) and on two DDP replicas
-(gradients all-reduced for the adapters alone). Each layout equals the
-single process (losses, adapters) within float tolerance; the base leaves every run bitwise as the
+"""LoRA under FSDP2, tensor parallel, DDP and a pipeline: the real `trainbook run` of a tiny
+Hugging Face Llama with adapters on every linear layer, on one process, on two ranks sharding
+every block (frozen base weights and trainable adapters in one FSDP unit), on two
+tensor-parallel ranks (base, A and B split by the adapter-aware column- and row-wise styles), on
+two DDP replicas (gradients all-reduced for the adapters alone) and on two pipeline stages (each
+holding its blocks' adapters; pipelines take concatenated packing, so their single process
+does too). Each layout equals the single process (losses, adapters) within float tolerance; the base leaves every run bitwise as the
 folder holds it; the checkpoints hold optimizer state for the adapters alone, and export for PEFT
 like the single process's."""
 
@@ -31,18 +32,23 @@ def _losses(run_dir: Path) -> list[float]:
 
 
 LAYOUTS = {"fsdp": ("parallel.dp_shard=2",), "tp": ("parallel.tp=2",),
-           "ddp": ("parallel.data_parallel=ddp", "parallel.dp_replicate=2", "parallel.dp_shard=1")}
-BANNER = {"fsdp": "dp_shard 2", "tp": "tp 2", "ddp": "dp_replicate 2"}
+           "ddp": ("parallel.data_parallel=ddp", "parallel.dp_replicate=2", "parallel.dp_shard=1"),
+           "pp": ("parallel.pp=2", "parallel.dp_shard=1", "parallel.pp_schedule=gpipe", "data.packing=concat")}
+BANNER = {"fsdp": "dp_shard 2", "tp": "tp 2", "ddp": "dp_replicate 2", "pp": "pp 2"}
 
 
-def test_lora_under_fsdp2_tp_and_ddp_equals_one_process_and_keeps_the_base_frozen(tmp_path):
+def test_lora_under_every_layout_equals_one_process_and_keeps_the_base_frozen(tmp_path):
     _folder(tmp_path)
-    one = tmp_path / "one"
-    done = run_cli("run", str(RECIPE), *STEPS, "--run-dir", str(one), cwd=tmp_path)
-    assert done.returncode == 0, done.stderr
-    single = _checkpoint(one)
+    singles = {}  # packing override -> (run dir, checkpoint) of the one-process run
     base = load_file(tmp_path / "models" / "llama-hf" / "model.safetensors")
     for layout, overrides in LAYOUTS.items():
+        packing = tuple(o for o in overrides if o.startswith("data.packing="))
+        if packing not in singles:
+            one = tmp_path / f"one{len(singles)}"
+            done = run_cli("run", str(RECIPE), *STEPS, *packing, "--run-dir", str(one), cwd=tmp_path)
+            assert done.returncode == 0, done.stderr
+            singles[packing] = one, _checkpoint(one)
+        one, single = singles[packing]
         two = tmp_path / layout
         done = run_cli("run", str(RECIPE), *STEPS, *overrides, "--nproc", "2", "--run-dir", str(two), cwd=tmp_path)
         assert done.returncode == 0, done.stderr
