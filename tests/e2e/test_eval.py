@@ -125,6 +125,14 @@ def test_a_run_from_a_lora_run_starts_from_its_merged_weights(lora_run):
     assert f'init_from = "run:{source}"' in resolved and "dim = 32" in resolved
 
 
+def test_a_prompt_without_room_for_max_new_tokens_is_one_line(lora_run):
+    """Checked for every record before generation: the line names the record, nothing is written."""
+    line = run_cli_error("eval", str(lora_run / "run"), "--data", "prompts.jsonl", "--scorer",
+                         "trainbook.rewards:exact_answer", "--max-new-tokens", "500", cwd=lora_run)
+    assert re.fullmatch(r"trainbook: error: --data: 'prompts.jsonl' line 1: the prompt has (\d+) tokens; with "
+                        r"--max-new-tokens 500 it needs (\d+) positions, more than the model's max_seq_len (\d+)", line)
+
+
 def test_no_checkpoint_is_one_line_for_eval_and_init_from_run(tmp_path):
     """A run directory without a valid checkpoint: `eval` and a run starting from it each say so
     in one line naming what to fix, exit 2, nothing written (the other bad input of eval is

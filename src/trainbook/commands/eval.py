@@ -13,10 +13,12 @@ prompt). Its other fields are the scorer's columns (`answer`, ...). Every check 
 before the first token is generated, and the scorer's answer is checked before anything is
 written: bad input is one line, exit 2, and no file.
 
-Completions are generated one at a time on the CPU without a KV cache (`model/generate.py`):
-right for the small models this is meant for. Greedy at temperature 0 (one completion, repeated
-for each sample); otherwise sampled from the whole distribution, completion k of the file drawn
-with seed `seed + k`, so an eval is repeatable and its samples differ.
+Completions come from the rollout engine (`model/sampler.py`: batches of prompts through the
+run's model with a KV cache), the same one reinforcement learning samples with. Greedy at
+temperature 0 (one completion, repeated for each sample); otherwise sampled from the whole
+distribution, completion k of the file drawn with seed `seed + k` whatever batch it shares, so an
+eval is repeatable and its samples differ. A prompt that leaves no room for `--max-new-tokens`
+in the model's context is refused before any generation, naming its line.
 """
 
 from __future__ import annotations
@@ -38,11 +40,12 @@ from trainbook.atomic import atomic_write_json
 from trainbook.data import Tokenizer
 from trainbook.data.chat import ChatTemplate, check_messages, optional_template
 from trainbook.errors import TrainbookError, one_line
-from trainbook.model import generate
+from trainbook.model.sampler import LocalSampler, SamplingParams
 from trainbook.runs import RunPaths
 from trainbook.train.checkpoint_model import load_trained
 
 EVALS = "evals"
+EVAL_BATCH = 32  # prompts per batch of the sampler
 PROMPT_FIELD, MESSAGES_FIELD = "prompt", "messages"
 
 
@@ -234,6 +237,13 @@ def eval_command(target: Path, data: Path, scorer: str, *, samples: int, tempera
     tokenizer = Tokenizer.load(RunPaths.of(trained.run_dir).tokenizer)
     encoder = PromptEncoder.of_run(trained.cfg, tokenizer)
     prompt_ids = [encoder.ids(r.prompt, f"'{data}' line {r.line}") for r in records]
+    room = trained.model.cfg.max_seq_len - max_new_tokens
+    for r, ids in zip(records, prompt_ids):
+        if len(ids) > room:
+            raise TrainbookError(
+                f"'{data}' line {r.line}: the prompt has {len(ids)} tokens; with --max-new-tokens {max_new_tokens} "
+                f"it needs {len(ids) + max_new_tokens} positions, more than the model's max_seq_len "
+                f"{trained.model.cfg.max_seq_len}", where="--data")
 
     with _progress_bar(len(records) * samples) as progress:
         completions = _generate(trained.model, encoder, prompt_ids, samples, temperature, max_new_tokens, seed,
@@ -266,22 +276,17 @@ def eval_command(target: Path, data: Path, scorer: str, *, samples: int, tempera
 
 def _generate(model, encoder: PromptEncoder, prompt_ids: list[list[int]], samples: int, temperature: float,
               max_new_tokens: int, seed: int, progress) -> list[str]:
-    """`samples` completions per prompt, in order (as text, the stopping token left out)."""
+    """`samples` completions per prompt, in order (as text, the stopping token left out). Greedy
+    generates each prompt once."""
     tok = encoder.tokenizer
-    out: list[str] = []
-    for i, ids in enumerate(prompt_ids):
-        for j in range(samples):
-            k = i * samples + j
-            if temperature == 0 and j > 0:  # greedy: every sample is the first
-                out.append(out[-1])
-            else:
-                new = generate(model, ids, max_new_tokens, temperature=temperature, top_k=None, seed=seed + k,
-                               eos_id=tok.eos_id, stop_ids=encoder.stop_ids)
-                if new and new[-1] in encoder.stop_ids:
-                    new = new[:-1]
-                out.append(tok.decode(new))
-            progress(k + 1)
-    return out
+    draws = 1 if temperature == 0 else samples
+    params = SamplingParams(max_new_tokens, temperature=temperature, stop_ids=frozenset(encoder.stop_ids - {None}))
+    sampler = LocalSampler(model, batch_size=EVAL_BATCH, pad_id=tok.eos_id or 0)
+    completions = sampler.generate([ids for ids in prompt_ids for _ in range(draws)],
+                                   [seed + i * samples + j for i in range(len(prompt_ids)) for j in range(draws)],
+                                   params, progress=lambda n: progress(n * samples // draws))
+    texts = [tok.decode(c.ids[:-1] if c.stopped else c.ids) for c in completions]
+    return [texts[i * draws + (j if draws > 1 else 0)] for i in range(len(prompt_ids)) for j in range(samples)]
 
 
 @contextlib.contextmanager

@@ -1,7 +1,9 @@
-"""Sampling from a trained model: temperature + top-k, deterministic for a seed.
+"""Sampling one continuation (`trainbook sample`): temperature + top-k, deterministic for a seed.
 
-No KV cache: each new token reruns the model over the (cropped) context. That is O(T^2) per
-sample but trivially correct, and `trainbook sample` on the models trained here is fast enough.
+No KV cache: each new token reruns the model over the context, cropped to its last max_seq_len
+tokens, so a continuation may run past the model's context. That is O(T^2) per sample but
+trivially correct. Batched generation with a KV cache, for evaluation and rollouts, is
+model/sampler.py (it picks tokens the same way: `sampler.pick`).
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ from collections.abc import Collection
 import torch
 
 from trainbook.errors import TrainbookError
+from trainbook.model.sampler import SamplingParams, pick
 
 
 @torch.no_grad()
@@ -40,6 +43,7 @@ def generate(
     device = next(model.parameters()).device
     max_seq_len = model.cfg.max_seq_len
     generator = torch.Generator(device=device).manual_seed(seed)
+    params = SamplingParams(max(max_new_tokens, 1), temperature, top_k)
 
     ids = list(prompt_ids)
     was_training = model.training
@@ -48,24 +52,10 @@ def generate(
         for _ in range(max_new_tokens):
             context = torch.tensor([ids[-max_seq_len:]], device=device)  # (1, T)
             logits = model(context)[0, -1].float()  # (vocab,) at the last position
-            next_id = _pick(logits, temperature, top_k, generator)
+            next_id = int(pick(logits[None], params, [generator])[0])
             ids.append(next_id)
             if next_id == eos_id or next_id in stop_ids:
                 break
     finally:
         model.train(was_training)
     return ids[len(prompt_ids) :]
-
-
-def _pick(
-    logits: torch.Tensor, temperature: float, top_k: int | None, generator: torch.Generator
-) -> int:
-    if temperature == 0:
-        return int(logits.argmax())
-    logits = logits / temperature
-    if top_k:
-        # Keep the k most likely tokens: everything below the k-th largest logit gets -inf.
-        kth = torch.topk(logits, min(top_k, logits.numel())).values[-1]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    probs = torch.softmax(logits, dim=-1)
-    return int(torch.multinomial(probs, num_samples=1, generator=generator))

@@ -30,6 +30,7 @@ from torch import nn
 
 from trainbook.config.model import ModelConfig
 from trainbook.errors import TrainbookError
+from trainbook.model.kv_cache import KVCache, LayerCache
 from trainbook.model.loss import ChunkedLoss, full_cross_entropy, linear_cross_entropy
 from trainbook.model.registry import is_resolved, resolve
 
@@ -92,7 +93,8 @@ class Llama(nn.Module):
         self.rope_sin.copy_(sin)
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None,
-                targets: torch.Tensor | None = None, masked: bool = False) -> torch.Tensor:
+                targets: torch.Tensor | None = None, masked: bool = False,
+                cache: KVCache | None = None) -> torch.Tensor:
         """tokens (B, T) int64 -> logits (B, T, vocab_size), in the compute dtype; with `targets`
         (B, T) int64, the mean next-token loss instead (fp32 scalar, `loss`); with `masked` too,
         the sum over the targets that are not `model.loss.IGNORE` (fine-tuning's loss masks).
@@ -104,6 +106,11 @@ class Llama(nn.Module):
 
         A pipeline stage without `tok_embeddings` takes hidden states (B, T, dim) instead, and one
         without `output` returns them.
+
+        With `cache` (generation, model/sampler.py): `tokens` are the next T slots of the cached
+        sequences and `positions` (B, T) their positions; each attention writes its keys and values
+        into the cache and attends over every slot so far (`KVCache.mask`), and only the last
+        slot's logits are returned (B, 1, vocab_size).
         """
         seq_len = tokens.shape[1]
         if seq_len > self.cfg.max_seq_len:
@@ -113,6 +120,13 @@ class Llama(nn.Module):
             )
         # (B, T, dim); a later pipeline stage receives hidden states already.
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
+        if cache is not None:
+            cos, sin = self.rope_cos[positions], self.rope_sin[positions]  # (B, T, head_dim / 2)
+            mask = cache.mask(seq_len)  # (B, 1, T, length + T)
+            for name, block in self.layers.items():
+                h = block(h, cos, sin, mask, kv=cache.layer(name))
+            cache.advance(seq_len)
+            return self.output(self.norm(h[:, -1:]))  # (B, 1, vocab_size)
         if positions is None:
             # The whole table: each attention cuts it to its own (gathered) sequence length, since
             # a later pipeline stage under sequence parallel receives a shard of the sequence here.
@@ -165,9 +179,10 @@ class Block(nn.Module):
         self.feed_forward.init_weights(std, out_std)
 
     def forward(
-        self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor | None = None
+        self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor | None = None,
+        kv: LayerCache | None = None,
     ) -> torch.Tensor:
-        h = h + self.attention(self.attention_norm(h), cos, sin, mask)
+        h = h + self.attention(self.attention_norm(h), cos, sin, mask, kv)
         return h + self.feed_forward(self.ffn_norm(h))
 
 
@@ -199,10 +214,13 @@ class Attention(nn.Module):
                 norm.reset_parameters()
 
     def forward(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor | None = None
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor | None = None,
+        kv: LayerCache | None = None,
     ) -> torch.Tensor:
         """x (B, T, dim); cos/sin (T, head_dim / 2) or per token (B, T, head_dim / 2); mask None
-        (causal) or boolean (B, 1, T, T), True where attention is allowed (causality included)."""
+        (causal) or boolean (B, 1, T, T), True where attention is allowed (causality included).
+        With `kv` (generation), the keys and values join the cached ones and `mask` is
+        (B, 1, T, cached + T)."""
         bsz, seq_len, _ = x.shape
         # -1, not n_heads: under tensor parallel each rank holds only its share of the heads.
         q = self.wq(x).view(bsz, seq_len, -1, self.head_dim)  # (B, T, n_heads, head_dim)
@@ -214,6 +232,8 @@ class Attention(nn.Module):
             cos, sin = cos[:seq_len], sin[:seq_len]  # (T, head_dim / 2)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # (B, heads, T, head_dim)
+        if kv is not None:
+            k, v = kv.extend(k, v)  # (B, kv_heads, cached + T, head_dim)
         # enable_gqa shares each kv head with its query group inside the kernel instead of
         # materialising repeated k/v: less memory, and on torch 2.13 CPU no slower (tiny model,
         # 16 x 256 tokens forward+backward: 0.46-0.62 s per step vs 0.54-0.62 s with repeats).
