@@ -8,7 +8,8 @@ import json
 
 import pytest
 
-from trainbook.commands.eval import call_scorer, columns_of, load_scorer, read_prompts
+from trainbook.data.prompts import columns_of, read_prompts
+from trainbook.train.scoring import call_scorer, load_scorer
 from trainbook.errors import TrainbookError
 
 USER = {"role": "user", "content": "What is 1+1?"}
@@ -66,11 +67,18 @@ def test_scorers_are_imported_and_their_answers_checked(tmp_path, monkeypatch):
     assert _error(call_scorer, fn, "m:fn", ["p"], ["a"], {}) == (
         "--scorer: m:fn raised TypeError: test_scorers_are_imported_and_their_answers_checked.<locals>.fn() "
         "missing 1 required positional argument: 'answer'")
+    # A reward may leave a completion unjudged (None), named by its recipe key; a scorer may not.
+    assert _error(call_scorer, fn, "m:fn", ["p"], ["a"], {"answer": [None]}) == (
+        "--scorer: m:fn returned None (a NoneType) as score 0, not a finite number")
+    assert call_scorer(fn, "m:fn", ["p", "q"], ["a", "b"], {"answer": [None, 2]}, allow_none=True) == [None, 2.0]
+    assert _error(lambda: call_scorer(fn, "m:fn", ["p"], ["a"], {"answer": ["x"]}, option="grpo.reward[0]",
+                                      allow_none=True)) == (
+        "grpo.reward[0]: m:fn returned 'x' (a str) as score 0, not a finite number or None")
 
 
 def test_a_message_prompt_is_the_template_with_its_generation_prompt_and_ends_at_end_of_turn():
     from tests.conftest import REPO, qwen_tokenizer_files
-    from trainbook.commands.eval import PromptEncoder
+    from trainbook.data.prompts import PromptEncoder
     from trainbook.config import TokenizerConfig
     from trainbook.data.chat import ChatTemplate
     from trainbook.data.tokenizer import build_tokenizer
