@@ -122,8 +122,9 @@ def tp_plan(model: nn.Module) -> dict[str, object]:
         p = f"layers.{name}"
         plan.update({
             f"{p}.attention_norm": SequenceParallel(),
-            f"{p}.attention": PrepareModuleInput(input_layouts=(Shard(1), None, None, None),
-                                                 desired_input_layouts=(Replicate(), None, None, None)),
+            # x, cos, sin, mask, kv: only x is a sequence-sharded tensor.
+            f"{p}.attention": PrepareModuleInput(input_layouts=(Shard(1), None, None, None, None),
+                                                 desired_input_layouts=(Replicate(), None, None, None, None)),
             f"{p}.attention.wq": colwise(f"{p}.attention.wq"),
             f"{p}.attention.wk": colwise(f"{p}.attention.wk"),
             f"{p}.attention.wv": colwise(f"{p}.attention.wv"),
