@@ -38,7 +38,8 @@ if TYPE_CHECKING:  # torch.distributed.pipelining is imported by pipeline runs o
 
 
 def to_device(batch: Batch, device: torch.device) -> Batch:
-    return Batch(*(None if t is None else t.to(device, non_blocking=True) for t in batch))
+    """Every tensor of the batch on `device` (a producer's batch type, with more fields, stays itself)."""
+    return type(batch)(*(None if t is None else t.to(device, non_blocking=True) for t in batch))
 
 
 lm_loss = full_cross_entropy

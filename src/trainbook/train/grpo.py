@@ -1,0 +1,294 @@
+"""GRPO (and DAPO, Dr. GRPO) on the objective seam (train/objective.py): a producer that makes
+each rollout's micro-batches, and the clipped policy loss over them.
+
+A rollout (`GrpoObjective._rollout`):
+1. this rank's prompts for the rollout (`PromptCycle`: a pure function of the rollout's number,
+   so a resumed run draws the prompts an unbroken one drew);
+2. `group_size` completions of each from the rollout engine (model/sampler.py), completion i of
+   the rollout drawing from a generator seeded with (run seed, rollout, i): the same draws on
+   any number of ranks;
+3. every reward function on every completion; a function that raises is an incident (its
+   rewards for the rollout are None, the message kept in `incidents`), not the end of the run;
+4. advantages per group (train/rl.py), the global counts the loss is normalised by, and, when
+   they are needed, the old policy's and the reference's log-probabilities, computed once;
+5. micro-batches of prompt + completion, right-padded, the completion's tokens (its stop token
+   included) the only ones trained; they serve `updates_per_rollout` optimizer steps.
+
+The loss of a micro-batch is sum(token weight x per-token loss), the weights from the whole
+rollout's counts over every rank (`rl.token_weights`), so micro-batches and ranks add up to the
+loss of the whole rollout; each rank's backward runs on its sum x dp, which the data-parallel
+gradient average turns into the global sum.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import numpy as np
+import torch
+from torch import nn
+
+from trainbook.config.grpo import GrpoConfig
+from trainbook.data.prompts import PromptRecord, columns_of
+from trainbook.data.samples import Batch
+from trainbook.errors import TrainbookError
+from trainbook.model.sampler import RolloutEngine, SamplingParams
+from trainbook.parallel.runtime import Runtime
+from trainbook.train import rl
+from trainbook.train.objective import MicroLoss
+from trainbook.train.scoring import Scorer, call_scorer, load_scorer
+
+
+class Prompt(NamedTuple):
+    ids: list[int]
+    record: PromptRecord  # its prompt as given (what reward functions receive) and its columns
+
+
+class RolloutBatch(NamedTuple):
+    """A micro-batch of a rollout: `Batch`'s fields (prompt + completion, right-padded; the mask
+    marks the completion's targets) and what the loss needs per sequence and token."""
+
+    inputs: torch.Tensor  # (B, T)
+    targets: torch.Tensor  # (B, T)
+    positions: torch.Tensor | None
+    sources: torch.Tensor | None
+    loss_mask: torch.Tensor  # (B, T) bool
+    advantages: torch.Tensor  # (B,)
+    weights: torch.Tensor  # (B, T): each trained token's share of the rollout's loss
+    old_logp: torch.Tensor | None  # (B, T): the policy that sampled (None: the ratio is 1)
+    ref_logp: torch.Tensor | None  # (B, T): the reference (None: no KL term)
+
+
+@dataclass(frozen=True)
+class Reward:
+    spec: str
+    fn: Scorer
+    weight: float
+    option: str  # the recipe key that named it
+
+    @property
+    def name(self) -> str:
+        return self.spec.rpartition(":")[2]
+
+
+def load_rewards(cfg: GrpoConfig, sample: PromptRecord) -> list[Reward]:
+    """The reward functions, each imported and called once on a dummy completion of `sample`
+    (its columns as the real calls pass them): a path that does not import, a function with the
+    wrong signature, or one that answers the wrong number of values or a non-number is one line
+    naming its recipe key, before any rollout."""
+    out = []
+    for i, spec in enumerate(cfg.reward):
+        option = f"grpo.reward[{i}].function"
+        fn = load_scorer(spec.function, option)
+        call_scorer(fn, spec.function, [sample.prompt], ["0"], columns_of([sample]), option=option, allow_none=True)
+        out.append(Reward(spec.function, fn, spec.weight, option))
+    return out
+
+
+class PromptCycle:
+    """The prompts of each rollout: rollout k takes global prompts [k P, (k + 1) P) of an order
+    that is a fresh seeded permutation of every prompt each epoch; data-parallel rank r takes its
+    contiguous share. A pure function of k, so resuming needs only the step."""
+
+    def __init__(self, prompts: Sequence[Prompt], per_rollout: int, seed: int, dp_rank: int = 0, dp: int = 1):
+        if per_rollout % dp:
+            raise TrainbookError(f"{per_rollout} prompts a rollout do not split over {dp} data-parallel ranks",
+                                 where="grpo.prompts_per_step")
+        self.prompts, self.per_rollout, self.seed = list(prompts), per_rollout, seed
+        self.dp_rank, self.local = dp_rank, per_rollout // dp
+
+    def take(self, rollout: int) -> list[Prompt]:
+        n = len(self.prompts)
+        first = rollout * self.per_rollout + self.dp_rank * self.local
+        out = []
+        for g in range(first, first + self.local):
+            epoch, i = divmod(g, n)
+            order = np.random.default_rng([self.seed, epoch]).permutation(n)
+            out.append(self.prompts[int(order[i])])
+        return out
+
+
+def completion_seed(seed: int, rollout: int, index: int) -> int:
+    """The generator seed of completion `index` (over all ranks) of rollout `rollout`."""
+    return int(np.random.SeedSequence([seed, rollout, index]).generate_state(1, np.uint64)[0] >> 1)
+
+
+def micro_batches_per_rollout(cfg: GrpoConfig, dp: int, micro_batch_size: int) -> int:
+    return math.ceil(cfg.completions // dp / micro_batch_size)
+
+
+class GrpoObjective:
+    def __init__(self, cfg: GrpoConfig, rewards: list[Reward], prompts: PromptCycle, engine: RolloutEngine,
+                 policy: nn.Module, rt: Runtime, *, micro_batch_size: int, decode: Callable[[list[int]], str],
+                 stop_ids: set[int], pad_id: int, seed: int, reference: nn.Module | None = None,
+                 start_rollout: int = 0):
+        if cfg.kl_coef > 0 and reference is None:
+            raise ValueError("kl_coef > 0 needs a reference model")
+        self.cfg, self.rewards, self.prompts, self.engine = cfg, rewards, prompts, engine
+        self.policy, self.reference, self.rt = policy, reference, rt
+        self.micro_batch_size, self.decode, self.pad_id, self.seed = micro_batch_size, decode, pad_id, seed
+        self.params = SamplingParams(cfg.max_new_tokens, temperature=cfg.temperature, top_p=cfg.top_p,
+                                     stop_ids=frozenset(stop_ids))
+        self.rollout = start_rollout
+        self.incidents: list[str] = []
+        self.last: dict = {}  # the last rollout: prompts, completions, rewards, advantages (incident folders)
+        self._rollout_figures: dict = {}
+        self._sums = torch.zeros(5, dtype=torch.float64)  # tokens, kl, entropy, low-clipped, high-clipped
+
+    # ---- the producer ----------------------------------------------------------------------
+
+    def produce(self, batches: Iterator[Batch]) -> Iterator[RolloutBatch]:
+        while True:
+            micro = self._rollout(self.rollout)
+            for _ in range(self.cfg.updates_per_rollout):
+                yield from micro
+            self.rollout += 1
+
+    def _rollout(self, k: int) -> list[RolloutBatch]:
+        cfg, rt = self.cfg, self.rt
+        prompts = self.prompts.take(k)
+        G = cfg.group_size
+        first = (k * cfg.prompts_per_step + self.prompts.dp_rank * self.prompts.local) * G
+        seeds = [completion_seed(self.seed, k, first + i) for i in range(len(prompts) * G)]
+        completions = self.engine.generate([p.ids for p in prompts for _ in range(G)], seeds, self.params)
+        texts = [self.decode(c.ids[:-1] if c.stopped else c.ids) for c in completions]
+        records = [p.record for p in prompts]
+        per_fn = [self._score(r, records, texts) for r in self.rewards]
+        rewards = rl.total_rewards(per_fn, [r.weight for r in self.rewards])
+
+        everyone = self._gather(rewards)  # every rank's, for batch scaling and the figures
+        advantages, scored = rl.group_advantages(rewards, G, "none" if cfg.scale_rewards == "batch"
+                                                 else cfg.scale_rewards)
+        if cfg.scale_rewards == "batch":
+            known = [r for r in everyone if r is not None]
+            std = torch.tensor(known, dtype=torch.float64).std().item() if len(known) > 1 else 0.0
+            advantages = advantages / (std + rl.ADVANTAGE_EPS)
+        trains = scored.clone()
+        if cfg.mask_truncated:
+            trains &= torch.tensor([c.stopped for c in completions])
+        if cfg.filter_zero_std:
+            trains &= ~torch.tensor(rl.zero_std_groups(rewards, G)).repeat_interleave(G)
+
+        sequences, masks = [], []
+        for j, c in enumerate(completions):
+            prompt = prompts[j // G].ids
+            sequences.append(prompt + c.ids)
+            masks.append((len(prompt) - 1, len(prompt) - 1 + len(c.ids)) if bool(trains[j]) else (0, 0))
+        counts = torch.tensor([float(len(sequences)), float(sum(b - a for a, b in masks))], device=rt.device)
+        total_sequences, total_tokens = (round(x) for x in rt.all_reduce_mean(counts, over=rt.dims.tp).tolist())
+
+        micro = []
+        for lo in range(0, len(sequences), self.micro_batch_size):
+            hi = lo + self.micro_batch_size
+            micro.append(self._micro_batch(sequences[lo:hi], masks[lo:hi], advantages[lo:hi], total_sequences,
+                                           total_tokens))
+        self.last = {"rollout": k, "prompts": [r.prompt for r in records for _ in range(G)], "completions": texts,
+                     "rewards": rewards, "advantages": advantages.tolist()}
+        self._rollout_figures = self._figures_of(everyone, per_fn, completions, total_sequences)
+        return micro
+
+    def _score(self, reward: Reward, records: list[PromptRecord], texts: list[str]) -> list[float | None]:
+        G = self.cfg.group_size
+        prompts = [r.prompt for r in records for _ in range(G)]
+        try:
+            return call_scorer(reward.fn, reward.spec, prompts, texts, columns_of(records, G), option=reward.option,
+                               allow_none=True)
+        except TrainbookError as e:  # an incident of this rollout: its rewards are unknown
+            self.incidents.append(f"rollout {self.rollout}: {e}")
+            return [None] * len(texts)
+
+    def _gather(self, rewards: list[float | None]) -> list[float | None]:
+        """Every data-parallel rank's rewards (a tensor-parallel group's copies once)."""
+        rows = self.rt.all_gather_floats([math.nan if r is None else r for r in rewards])
+        dims = self.rt.dims
+        seen, out = set(), []
+        for rank, row in enumerate(rows):
+            dp = dims.dp_rank(rank) if self.rt.distributed else 0
+            if dp not in seen:
+                seen.add(dp)
+                out += [None if math.isnan(x) else x for x in row]
+        return out
+
+    def _micro_batch(self, sequences: list[list[int]], spans: list[tuple[int, int]], advantages: torch.Tensor,
+                     total_sequences: int, total_tokens: int) -> RolloutBatch:
+        width = max(len(s) for s in sequences) - 1
+        tokens = torch.full((len(sequences), width + 1), self.pad_id, dtype=torch.long)
+        mask = torch.zeros(len(sequences), width, dtype=torch.bool)
+        for i, (seq, (a, b)) in enumerate(zip(sequences, spans)):
+            tokens[i, :len(seq)] = torch.tensor(seq)
+            mask[i, a:b] = True
+        inputs, targets = tokens[:, :-1], tokens[:, 1:]
+        weights = rl.token_weights(mask, self.cfg.loss_agg, sequences=total_sequences, tokens=total_tokens,
+                                   max_new_tokens=self.cfg.max_new_tokens)
+        device = self.rt.device
+        old = ref = None
+        with torch.no_grad():
+            if self.cfg.updates_per_rollout > 1:
+                old = rl.token_logprobs(self.policy(inputs.to(device)), targets.to(device)).cpu()
+            if self.reference is not None and self.cfg.kl_coef > 0:
+                ref = rl.token_logprobs(self.reference(inputs.to(device)), targets.to(device)).cpu()
+        return RolloutBatch(inputs, targets, None, None, mask, advantages, weights, old, ref)
+
+    def _figures_of(self, everyone: list[float | None], per_fn: list[list[float | None]], completions,
+                    total_sequences: int) -> dict:
+        known = [r for r in everyone if r is not None]
+        zero = rl.zero_std_groups(everyone, self.cfg.group_size)
+        lengths = self._gather([float(len(c.ids)) for c in completions])
+        clipped = self._gather([0.0 if c.stopped else 1.0 for c in completions])
+        out = {
+            "reward": sum(known) / len(known) if known else math.nan,
+            "reward_std": float(torch.tensor(known, dtype=torch.float64).std()) if len(known) > 1 else 0.0,
+            "frac_reward_zero_std": sum(zero) / len(zero),
+            "completions/mean_length": sum(lengths) / len(lengths),
+            "completions/clipped_ratio": sum(clipped) / len(clipped),
+        }
+        for reward, scores in zip(self.rewards, per_fn):
+            mine = self._gather(scores)
+            given = [s for s in mine if s is not None]
+            out[f"rewards/{reward.name}/mean"] = sum(given) / len(given) if given else math.nan
+        return out
+
+    # ---- the loss ---------------------------------------------------------------------------
+
+    def loss(self, model: nn.Module, batch: RolloutBatch) -> MicroLoss:
+        cfg = self.cfg
+        logits = model(batch.inputs)
+        logp = rl.token_logprobs(logits, batch.targets)
+        old = batch.old_logp if batch.old_logp is not None else logp.detach()
+        per_token, low, high = rl.clipped_surrogate(logp, old, batch.advantages.to(logp.device), cfg.clip_low,
+                                                    cfg.clip_high)
+        kl = None
+        if batch.ref_logp is not None:
+            kl = rl.k3(logp, batch.ref_logp)
+            per_token = per_token + cfg.kl_coef * kl
+        with torch.no_grad():
+            m = batch.loss_mask
+            self._sums += torch.stack([
+                m.sum(), (kl * m).sum() if kl is not None else torch.zeros(()),
+                (rl.token_entropy(logits) * m).sum(), (low & m).sum(), (high & m).sum(),
+            ]).double().cpu()
+        return MicroLoss((per_token * batch.weights).sum(), 1 / self.rt.dims.dp)
+
+    def eval_loss(self, model: nn.Module, batch: Batch) -> torch.Tensor:
+        raise TrainbookError("GRPO has no held-out loss: measure held-out reward with `trainbook eval`",
+                             where="train.eval_every")
+
+    def finish(self, loss_sum: torch.Tensor, micro_batches: int) -> torch.Tensor:
+        return loss_sum * self.rt.dims.dp
+
+    def figures(self) -> dict:
+        """The rollout's figures and the step's: mean KL, entropy and clip ratios over the trained
+        completion tokens of every rank."""
+        rows = self.rt.all_gather_floats(self._sums.tolist())
+        tp = self.rt.dims.tp
+        total = [sum(r[i] for r in rows) / tp for i in range(5)]
+        self._sums.zero_()
+        tokens = max(total[0], 1.0)
+        step = {"kl": total[1] / tokens, "entropy": total[2] / tokens, "clip_ratio/low_mean": total[3] / tokens,
+                "clip_ratio/high_mean": total[4] / tokens}
+        if self.cfg.kl_coef == 0:
+            del step["kl"]
+        return {**self._rollout_figures, **step}
