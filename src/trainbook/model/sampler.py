@@ -66,14 +66,21 @@ class LocalSampler:
     Under FSDP or tensor parallel every rank must run the same forwards: `agree(done)` is then
     given whether this rank's batch is done and returns whether every rank's is (an all-reduce),
     and every rank must ask for the same number of prompts.
+
+    `multiple_of` > 1 makes every forward's length a multiple of it, as tensor parallelism's
+    sequence sharding needs (the residual stream is split along the sequence over the tp ranks):
+    prompts get more left padding, and a decoding step writes filler slots before its token (the
+    model returns the last slot's logits), marked invalid so that no later token attends to them. The sampled tokens are those of
+    `multiple_of` = 1 up to the float differences of the layout.
     """
 
     def __init__(self, model: nn.Module, batch_size: int = 64, pad_id: int = 0,
-                 agree: Callable[[bool], bool] | None = None):
+                 agree: Callable[[bool], bool] | None = None, multiple_of: int = 1):
         if getattr(model, "tok_embeddings", None) is None or getattr(model, "output", None) is None:
             raise TrainbookError("generation needs the whole model: a pipeline stage cannot sample", where="parallel.pp")
         self.model, self.batch_size, self.pad_id = model, batch_size, pad_id
         self.agree = agree or (lambda done: done)
+        self.width = multiple_of
 
     def generate(self, prompts: Sequence[Sequence[int]], seeds: Sequence[int], params: SamplingParams,
                  progress: Callable[[int], None] | None = None) -> list[Completion]:
@@ -104,15 +111,18 @@ class LocalSampler:
     @torch.no_grad()
     def _batch(self, prompts: Sequence[Sequence[int]], seeds: Sequence[int], params: SamplingParams) -> list[Completion]:
         device = next(self.model.parameters()).device
-        rows, longest = len(prompts), max(len(p) for p in prompts)
+        w = self.width
+        rows, longest = len(prompts), -(-max(len(p) for p in prompts) // w) * w
         lengths = torch.tensor([len(p) for p in prompts], device=device)
         tokens = torch.full((rows, longest), self.pad_id, dtype=torch.long, device=device)
         for i, p in enumerate(prompts):
             tokens[i, longest - len(p):] = torch.tensor(list(p), dtype=torch.long, device=device)
-        slots = torch.arange(longest + params.max_new_tokens, device=device)
-        valid = slots[None, :] >= (longest - lengths)[:, None]  # (B, capacity): left padding is invalid
+        # Slots: the left-padded prompts, then `w` a decoding step, of which the last is its token.
+        slots = torch.arange(longest + (params.max_new_tokens - 1) * w, device=device)
+        valid = (slots[None, :] >= (longest - lengths)[:, None]) & ((slots < longest) | ((slots - longest) % w == w - 1))
         positions = (slots[None, :longest] - (longest - lengths)[:, None]).clamp(min=0)  # (B, longest)
         cache = KVCache(valid)
+        filler = torch.full((rows, w - 1), self.pad_id, dtype=torch.long, device=device)
         generators = [torch.Generator(device=device).manual_seed(int(s)) for s in seeds]
         stop = torch.tensor(sorted(params.stop_ids), dtype=torch.long, device=device)
 
@@ -125,7 +135,9 @@ class LocalSampler:
             done |= torch.isin(picked, stop)
             if self.agree(bool(done.all())) or t + 1 == params.max_new_tokens:
                 break
-            logits = self.model(picked[:, None], (lengths + t)[:, None], cache=cache)[:, -1].float()
+            step = torch.cat([filler, picked[:, None]], dim=1)  # (B, w)
+            where = (lengths + t)[:, None].expand(rows, w)
+            logits = self.model(step, where, cache=cache)[:, -1].float()
 
         out = []
         for i, row in enumerate(new.tolist()):

@@ -98,6 +98,18 @@ def test_each_completion_draws_from_its_own_seed(model):
     assert [c.ids for c in other] != [c.ids for c in batch]
 
 
+@pytest.mark.parametrize("width", [2, 3])
+def test_forwards_padded_to_a_multiple_draw_the_same_completions(model, width):
+    """Tensor parallelism's sequence sharding needs every forward's length a multiple of tp: the
+    extra left padding and the filler slots after each decoded token change no draw."""
+    params = SamplingParams(12, temperature=1.0)
+    plain = LocalSampler(model, batch_size=4).generate(PROMPTS, [7, 8, 9, 10], params)
+    padded = LocalSampler(model, batch_size=4, multiple_of=width).generate(PROMPTS, [7, 8, 9, 10], params)
+    assert [c.ids for c in padded] == [c.ids for c in plain]
+    greedy = LocalSampler(model, multiple_of=width).generate(PROMPTS, [0] * 4, SamplingParams(10, temperature=0))
+    assert [c.ids for c in greedy] == [uncached_greedy(model, p, 10) for p in PROMPTS]
+
+
 def test_a_stop_id_ends_its_row_and_is_kept(model):
     greedy = LocalSampler(model).generate(PROMPTS, [0] * 4, SamplingParams(10, temperature=0))
     stop = greedy[0].ids[3]
