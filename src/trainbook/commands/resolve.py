@@ -65,7 +65,10 @@ class Resolved:
     @property
     def accum_steps(self) -> int:
         """Micro-batches per optimizer step on each data-parallel rank."""
-        return self.cfg.train.grad_accum_steps(self.dims.dp)
+        c = self.cfg
+        if c.grpo.enabled:
+            return c.grpo.micro_batches(self.dims.dp, c.train.micro_batch_size)
+        return c.train.grad_accum_steps(self.dims.dp)
 
     @property
     def tokens_per_step(self) -> int:
@@ -104,6 +107,7 @@ def resolve(recipe: Path, overrides: list[str], world_size: int, *, device_memor
     dims = resolve_dims(cfg.parallel, world_size, where)
     _check_model_layout(cfg, dims, where)
     _check_fine_tuning(cfg, dims, where)
+    _check_grpo(cfg, dims, where)
     _check_lora(cfg, dims, where)
     chosen = cfg.train.micro_batch_size == "auto"
     mbs = _auto_micro_batch(cfg, dims, device_memory, where) if chosen else cfg.train.micro_batch_size
@@ -231,6 +235,39 @@ def _check_fine_tuning(cfg: Config, dims: ParallelDims, where: str) -> None:
     if dims.pp > 1:
         raise TrainbookError("fine-tuning's masked loss runs on one process, FSDP, DDP or TP; not in a pipeline",
                              where=f"{where}: parallel.pp")
+
+
+def _check_grpo(cfg: Config, dims: ParallelDims, where: str) -> None:
+    """`[grpo]` trains on `prompts` sources and they feed nothing else; a rollout's prompts split
+    over the data-parallel ranks; its step is counted in completions, not tokens."""
+    g, t = cfg.grpo, cfg.train
+    prompts = [(i, s) for i, s in enumerate(cfg.data.sources) if s.format == "prompts"]
+    if not g.enabled:
+        if prompts:
+            i, s = prompts[0]
+            raise TrainbookError(f"source '{s.name}' (data.sources[{i}]) is format 'prompts', which reinforcement "
+                                 "learning samples from: name a reward function in [[grpo.reward]], or train on "
+                                 "chat or prompt_completion data", where=f"{where}: data.sources[{i}].format")
+        return
+    for i, s in enumerate(cfg.data.sources):
+        if s.format != "prompts":
+            raise TrainbookError(f"[grpo] samples from format 'prompts' sources; source '{s.name}' "
+                                 f"(data.sources[{i}]) is {s.format}", where=f"{where}: data.sources[{i}].format")
+    if dims.pp > 1:
+        raise TrainbookError("GRPO samples with the whole model: one process, FSDP, DDP or TP; not a pipeline",
+                             where=f"{where}: parallel.pp")
+    if g.prompts_per_step % dims.dp:
+        raise TrainbookError(f"{g.prompts_per_step} prompts a step do not split over {dims.dp} data-parallel ranks",
+                             where=f"{where}: grpo.prompts_per_step")
+    if t.global_batch_tokens is not None:
+        raise TrainbookError("a GRPO step trains grpo.prompts_per_step x grpo.group_size completions; remove "
+                             "train.global_batch_tokens", where=f"{where}: train.global_batch_tokens")
+    if t.micro_batch_size == "auto":
+        raise TrainbookError("GRPO needs a micro-batch size in completions (e.g. 8)",
+                             where=f"{where}: train.micro_batch_size")
+    if t.eval_every:
+        raise TrainbookError("GRPO has no held-out loss: set train.eval_every = 0 and measure the held-out reward "
+                             "with `trainbook eval`", where=f"{where}: train.eval_every")
 
 
 def _check_model_layout(cfg: Config, dims: ParallelDims, where: str) -> None:

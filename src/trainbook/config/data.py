@@ -15,12 +15,15 @@ class SourceConfig(Section):
     """Source name, used in reports and metrics."""
     paths: list[str] = Field(min_length=1)
     """Globs of input files; `pkg://PACKAGE/sub/dir/*.md` resolves inside an installed package."""
-    format: Literal["text", "markdown", "jsonl", "parquet", "chat", "prompt_completion"] = "text"
+    format: Literal["text", "markdown", "jsonl", "parquet", "chat", "prompt_completion", "prompts"] = "text"
     """`text`: one document per file (or per `separator`); `markdown`: same, markup stripped;
     `jsonl`: one document per line, in `text_field`; `parquet`: one per row of column `text_field`;
     `chat`: JSONL of conversations (`messages_field`: a list of `{role, content}`), rendered with
     the chat template; `prompt_completion`: JSONL with `prompt_field` and `completion_field`, both
-    strings (joined as written) or both message lists (rendered with the chat template)."""
+    strings (joined as written) or both message lists (rendered with the chat template);
+    `prompts` (reinforcement learning, `[grpo]`): JSONL with `prompt` (a string, or messages
+    ending with the user's turn, rendered with the chat template and its generation prompt) or
+    `messages`, and any other fields, which the reward functions receive as columns."""
     messages_field: str = "messages"
     """`chat`: the field that holds a record's messages."""
     prompt_field: str = "prompt"

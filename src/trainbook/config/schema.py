@@ -4,7 +4,7 @@ Every field has a default and a docstring under it, which is its documentation (
 it as the field's description). Unknown keys are errors. Components receive their own section only, e.g. ``build_model(cfg.model)``.
 
 The sections live beside this file, one module per part of the run (the tables each holds):
-`run`, `data` (`data`, `tokenizer`), `model`, `lora`, `train` (`optim`, `schedule`, `train`,
+`run`, `data` (`data`, `tokenizer`), `model`, `lora`, `grpo`, `train` (`optim`, `schedule`, `train`,
 `precision`), `parallel`, `checkpoint`, `monitor` (`log`, `monitor`, `alerts`), `diagnose`
 (`diagnose`, `triage`) and `book` (`env`, `launch`, `expect`); `section.py` holds their base.
 """
@@ -15,6 +15,7 @@ from trainbook.config.book import EnvConfig, ExpectedFigure, LaunchConfig
 from trainbook.config.checkpoint import CheckpointConfig
 from trainbook.config.data import DataConfig, TokenizerConfig
 from trainbook.config.diagnose import DiagnoseConfig, TriageConfig
+from trainbook.config.grpo import GrpoConfig
 from trainbook.config.lora import LoraConfig
 from trainbook.config.model import ModelConfig
 from trainbook.config.monitor import AlertsConfig, LogConfig, MonitorConfig
@@ -32,6 +33,7 @@ class Config(Section):
     tokenizer: TokenizerConfig = TokenizerConfig()
     model: ModelConfig = ModelConfig()
     lora: LoraConfig = LoraConfig()
+    grpo: GrpoConfig = GrpoConfig()
     optim: OptimConfig = OptimConfig()
     schedule: ScheduleConfig = ScheduleConfig()
     train: TrainConfig = TrainConfig()

@@ -27,6 +27,18 @@ class PromptRecord:
     columns: dict
     """The record's other fields."""
     line: int
+    file: str = ""
+    """The file it was read from (a recipe's prompt source may hold several)."""
+
+    @property
+    def where(self) -> str:
+        """"'FILE' line N", for errors."""
+        return f"'{self.file}' line {self.line}" if self.file else f"line {self.line}"
+
+    def text(self) -> str:
+        """The prompt as plain text (messages' contents, one a line): what `prepare` tokenizes
+        of a prompt source, for a tokenizer trained on the corpus and the data report."""
+        return self.prompt if isinstance(self.prompt, str) else "\n".join(m["content"] for m in self.prompt)
 
 
 def read_prompts(path: Path, option: str = "--data") -> list[PromptRecord]:
@@ -51,13 +63,14 @@ def read_prompts(path: Path, option: str = "--data") -> list[PromptRecord]:
             raise TrainbookError(f"{at}: not valid JSON: {one_line(e)}", where=option) from None
         if not isinstance(record, dict):
             raise TrainbookError(f"{at}: expected a JSON object, got {type(record).__name__}", where=option)
-        records.append(_prompt_record(record, at, number, option))
+        records.append(prompt_record(record, at, number, option, str(path)))
     if not records:
         raise TrainbookError(f"{where}: no records", where=option)
     return records
 
 
-def _prompt_record(record: dict, at: str, number: int, option: str) -> PromptRecord:
+def prompt_record(record: dict, at: str, number: int, option: str, file: str = "") -> PromptRecord:
+    """The prompt record of JSON object `record` (line `number` of `file`, `at` naming it in errors)."""
     if PROMPT_FIELD in record:
         prompt = record[PROMPT_FIELD]
         if isinstance(prompt, str):
@@ -75,7 +88,7 @@ def _prompt_record(record: dict, at: str, number: int, option: str) -> PromptRec
         names = ", ".join(f"'{k}'" for k in record) or "no fields"
         raise TrainbookError(f"{at}: no field 'prompt' (a string or a list of messages) or 'messages'; "
                              f"the object has {names}", where=option)
-    return PromptRecord(prompt, {k: v for k, v in record.items() if k != key}, number)
+    return PromptRecord(prompt, {k: v for k, v in record.items() if k != key}, number, file)
 
 
 def _ends_with_user(messages: list[dict], what: str, option: str) -> None:

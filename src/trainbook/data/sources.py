@@ -28,6 +28,7 @@ import zstandard
 
 from trainbook.config.data import SourceConfig
 from trainbook.data.chat import chat_document, check_messages, text_pair_document
+from trainbook.data.prompts import PromptRecord, prompt_record
 from trainbook.errors import TrainbookError
 from trainbook.pkgpath import expand_path
 
@@ -84,6 +85,7 @@ def iter_documents(
         "parquet": _parquet_documents,
         "chat": _chat_documents,
         "prompt_completion": _chat_documents,
+        "prompts": _prompt_documents,
     }[source.format]
     if source.format == "parquet" and source.compression in ("gzip", "zstd"):
         raise TrainbookError(
@@ -284,6 +286,26 @@ def _chat_records(
             raise TrainbookError(f"{at} '{source.completion_field}' has no assistant message: nothing to train",
                                  where=where)
         yield number, chat_document(first + rest, completion_from=len(first))
+
+
+def _prompt_documents(
+    path: Path, source: SourceConfig, where: str, stats: SourceStats
+) -> Iterator[str]:
+    for record in _prompt_records(path, source, where, stats):
+        yield record.text()
+
+
+def _prompt_records(
+    path: Path, source: SourceConfig, where: str, stats: SourceStats
+) -> Iterator[PromptRecord]:
+    for number, record in _jsonl_records(path, source, where, stats):
+        yield prompt_record(record, f"'{path}' line {number}", number, where, str(path))
+
+
+def prompt_records(source: SourceConfig, where: str) -> list[PromptRecord]:
+    """Every record of a `prompts` source, file by file in the order of its paths."""
+    return [r for path in resolve_paths(source.paths, where=f"{where}.paths")
+            for r in _prompt_records(path, source, where, SourceStats())]
 
 
 def locate_record(source: SourceConfig, document: str, where: str) -> str | None:

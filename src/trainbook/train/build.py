@@ -76,7 +76,7 @@ def build_trainer(settled: Settled, paths: RunPaths, data: Prepared, rt: Runtime
     # Under FSDP its mixed-precision policy casts; elsewhere autocast (parallel/apply.py).
     precision = Precision(cfg.precision, rt.device, fsdp=rt.dims.dp > 1 and cfg.parallel.data_parallel == "fsdp")
     engine, notes, trainable = model_and_engine(cfg, rt, precision, tracker)
-    model, objective = engine.model, build_objective(data, rt, settled.accum_steps)
+    model = engine.model
 
     logger = setup_run_logger(paths.logs, rank=rt.rank, level=cfg.log.level,
                               retention_days=cfg.log.retention_days)
@@ -93,6 +93,7 @@ def build_trainer(settled: Settled, paths: RunPaths, data: Prepared, rt: Runtime
     optimizer = build_optimizer(model, cfg.optim, embeddings=engine.embeddings)
     scaler = precision.loss_scaler()
     state = TrainState(model, optimizer, engine.optim_aliases, loader, scaler, rt, paths.events, logger)
+    objective = build_objective(cfg, data, rt, settled.accum_steps, model, lambda: state.step)
     checkpointer = build_checkpointer(settled, paths, rt, events, monitors)
 
     is_logged = logged(cfg.log, cfg.train.last_step)
@@ -121,12 +122,41 @@ def build_trainer(settled: Settled, paths: RunPaths, data: Prepared, rt: Runtime
     )
 
 
-def build_objective(data: Prepared, rt: Runtime, micro_batches: int) -> Objective:
+def build_objective(cfg: Config, data: Prepared, rt: Runtime, micro_batches: int, model: nn.Module,
+                    steps_done) -> Objective:
     """Next-token loss for text; the masked loss (train/objective.py) for data prepared with loss
-    masks (chat, prompt_completion), whose settings the resolution checked (commands/resolve.py)."""
+    masks (chat, prompt_completion), whose settings the resolution checked (commands/resolve.py);
+    GRPO for `[grpo]` on prompts (`steps_done()`: the run's completed steps)."""
+    if cfg.grpo.enabled:
+        return build_grpo(cfg, data, rt, model, steps_done)
     if data.train_masks is None:
         return NextTokenLoss(micro_batches)
     return MaskedTokenLoss(micro_batches, rt)
+
+
+def build_grpo(cfg: Config, data: Prepared, rt: Runtime, model: nn.Module, steps_done) -> Objective:
+    """GRPO (train/grpo.py) on the prompts of the recipe's `prompts` sources (`grpo_inputs`,
+    which `trainbook run` checked before the run directory was made), sampling with this rank's
+    part of the run's own model."""
+    from trainbook.model.sampler import LocalSampler
+    from trainbook.train.grpo import GrpoObjective, PromptCycle, grpo_inputs
+
+    g, t = cfg.grpo, cfg.train
+    prompts, rewards, stop_ids = grpo_inputs(cfg, data.tokenizer)
+    local = g.completions // rt.dims.dp
+    agree = None
+    if rt.distributed:  # every rank of a sharded model runs the same forwards: stop when all are done
+        def agree(done: bool) -> bool:
+            return rt.all_reduce_mean(torch.tensor(float(done), device=rt.device), over=rt.world_size).item() == 1.0
+    pad = data.tokenizer.pad_id if data.tokenizer.pad_id is not None else data.tokenizer.eos_id
+    reference = None
+    if g.kl_coef > 0:  # the starting policy, frozen and whole on every rank
+        reference = full_model(cfg, rt.device).eval().requires_grad_(False)
+    return GrpoObjective(
+        g, rewards, PromptCycle(prompts, g.prompts_per_step, cfg.run.seed, rt.dp_rank, rt.dims.dp),
+        LocalSampler(model, batch_size=local, pad_id=pad, agree=agree, multiple_of=rt.dims.tp), model, rt,
+        micro_batch_size=t.micro_batch_size, decode=data.tokenizer.decode, stop_ids=stop_ids, pad_id=pad,
+        seed=cfg.run.seed, reference=reference, steps_done=steps_done)
 
 
 def model_and_engine(cfg: Config, rt: Runtime, precision: Precision,

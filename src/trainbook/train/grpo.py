@@ -23,6 +23,7 @@ gradient average turns into the global sum.
 from __future__ import annotations
 
 import math
+import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -32,9 +33,12 @@ import torch
 from torch import nn
 
 from trainbook.config.grpo import GrpoConfig
-from trainbook.data.prompts import PromptRecord, columns_of
+from trainbook.data.prompts import PromptEncoder, PromptRecord, columns_of
+from trainbook.data.sources import prompt_records
 from trainbook.data.samples import Batch
+from trainbook.data.tokenizer import Tokenizer
 from trainbook.errors import TrainbookError
+from trainbook.faults import fault_point
 from trainbook.model.sampler import RolloutEngine, SamplingParams
 from trainbook.parallel.runtime import Runtime
 from trainbook.train import rl
@@ -88,6 +92,26 @@ def load_rewards(cfg: GrpoConfig, sample: PromptRecord) -> list[Reward]:
     return out
 
 
+def grpo_inputs(cfg, tokenizer: Tokenizer) -> tuple[list[Prompt], list[Reward], set[int]]:
+    """The prompts of the recipe's `prompts` sources as the model reads them, the reward
+    functions (each answered a dummy completion) and the ids a completion stops at. A prompt
+    without room for max_new_tokens within train.seq_len is one line naming its file and line."""
+    g, t = cfg.grpo, cfg.train
+    encoder = PromptEncoder.of_run(cfg, tokenizer)
+    prompts = []
+    for i, source in enumerate(cfg.data.sources):
+        where = f"data.sources[{i}]"
+        for record in prompt_records(source, where):
+            ids = encoder.ids(record.prompt, record.where, where)
+            if len(ids) + g.max_new_tokens > t.seq_len:
+                raise TrainbookError(
+                    f"{record.where}: the prompt has {len(ids)} tokens; with grpo.max_new_tokens {g.max_new_tokens} "
+                    f"it needs {len(ids) + g.max_new_tokens} positions, more than train.seq_len {t.seq_len}",
+                    where=where)
+            prompts.append(Prompt(ids, record))
+    return prompts, load_rewards(g, prompts[0].record), encoder.stop_ids
+
+
 class PromptCycle:
     """The prompts of each rollout: rollout k takes global prompts [k P, (k + 1) P) of an order
     that is a fresh seeded permutation of every prompt each epoch; data-parallel rank r takes its
@@ -117,14 +141,14 @@ def completion_seed(seed: int, rollout: int, index: int) -> int:
 
 
 def micro_batches_per_rollout(cfg: GrpoConfig, dp: int, micro_batch_size: int) -> int:
-    return math.ceil(cfg.completions // dp / micro_batch_size)
+    return cfg.micro_batches(dp, micro_batch_size)
 
 
 class GrpoObjective:
     def __init__(self, cfg: GrpoConfig, rewards: list[Reward], prompts: PromptCycle, engine: RolloutEngine,
                  policy: nn.Module, rt: Runtime, *, micro_batch_size: int, decode: Callable[[list[int]], str],
                  stop_ids: set[int], pad_id: int, seed: int, reference: nn.Module | None = None,
-                 start_rollout: int = 0):
+                 steps_done: Callable[[], int] | None = None):
         if cfg.kl_coef > 0 and reference is None:
             raise ValueError("kl_coef > 0 needs a reference model")
         self.cfg, self.rewards, self.prompts, self.engine = cfg, rewards, prompts, engine
@@ -132,7 +156,11 @@ class GrpoObjective:
         self.micro_batch_size, self.decode, self.pad_id, self.seed = micro_batch_size, decode, pad_id, seed
         self.params = SamplingParams(cfg.max_new_tokens, temperature=cfg.temperature, top_p=cfg.top_p,
                                      stop_ids=frozenset(stop_ids))
-        self.rollout = start_rollout
+        # The run's completed steps (its TrainState), read as each rollout begins: a resumed run
+        # samples the rollout of its step. None: rollouts count from 0 (tests).
+        self.steps_done = steps_done
+        self.rollout = 0
+        self._times: dict[str, float] = {}
         self.incidents: list[str] = []
         self.last: dict = {}  # the last rollout: prompts, completions, rewards, advantages (incident folders)
         self._rollout_figures: dict = {}
@@ -141,9 +169,16 @@ class GrpoObjective:
     # ---- the producer ----------------------------------------------------------------------
 
     def produce(self, batches: Iterator[Batch]) -> Iterator[RolloutBatch]:
+        """Each rollout's micro-batches, once per update. A run resumed between two updates of
+        one rollout samples that rollout again with the weights it resumed with (exact only at
+        a rollout's first update: with updates_per_rollout = 1, always)."""
+        updates = self.cfg.updates_per_rollout
         while True:
+            served = 0
+            if self.steps_done is not None:
+                self.rollout, served = divmod(self.steps_done(), updates)
             micro = self._rollout(self.rollout)
-            for _ in range(self.cfg.updates_per_rollout):
+            for _ in range(updates - served):
                 yield from micro
             self.rollout += 1
 
@@ -153,10 +188,14 @@ class GrpoObjective:
         G = cfg.group_size
         first = (k * cfg.prompts_per_step + self.prompts.dp_rank * self.prompts.local) * G
         seeds = [completion_seed(self.seed, k, first + i) for i in range(len(prompts) * G)]
+        began = time.perf_counter()
         completions = self.engine.generate([p.ids for p in prompts for _ in range(G)], seeds, self.params)
+        sampled = time.perf_counter()
+        fault_point("grpo.rollout", self._step())  # a kill between sampling and scoring
         texts = [self.decode(c.ids[:-1] if c.stopped else c.ids) for c in completions]
         records = [p.record for p in prompts]
         per_fn = [self._score(r, records, texts) for r in self.rewards]
+        scored_at = time.perf_counter()
         rewards = rl.total_rewards(per_fn, [r.weight for r in self.rewards])
 
         everyone = self._gather(rewards)  # every rank's, for batch scaling and the figures
@@ -185,6 +224,8 @@ class GrpoObjective:
             hi = lo + self.micro_batch_size
             micro.append(self._micro_batch(sequences[lo:hi], masks[lo:hi], advantages[lo:hi], total_sequences,
                                            total_tokens))
+        self._times = {"time/rollout_s": sampled - began, "time/reward_s": scored_at - sampled,
+                       "time/reference_s": time.perf_counter() - scored_at}
         self.last = {"rollout": k, "prompts": [r.prompt for r in records for _ in range(G)], "completions": texts,
                      "rewards": rewards, "advantages": advantages.tolist()}
         self._rollout_figures = self._figures_of(everyone, per_fn, completions, total_sequences)
@@ -214,7 +255,8 @@ class GrpoObjective:
 
     def _micro_batch(self, sequences: list[list[int]], spans: list[tuple[int, int]], advantages: torch.Tensor,
                      total_sequences: int, total_tokens: int) -> RolloutBatch:
-        width = max(len(s) for s in sequences) - 1
+        tp = self.rt.dims.tp  # tensor parallelism shards the sequence: its length is a multiple of tp
+        width = -(-(max(len(s) for s in sequences) - 1) // tp) * tp
         tokens = torch.full((len(sequences), width + 1), self.pad_id, dtype=torch.long)
         mask = torch.zeros(len(sequences), width, dtype=torch.bool)
         for i, (seq, (a, b)) in enumerate(zip(sequences, spans)):
@@ -253,8 +295,14 @@ class GrpoObjective:
 
     # ---- the loss ---------------------------------------------------------------------------
 
+    def _step(self) -> int:
+        """The step being trained (1-based)."""
+        return (self.steps_done() if self.steps_done is not None else self.rollout) + 1
+
     def loss(self, model: nn.Module, batch: RolloutBatch) -> MicroLoss:
         cfg = self.cfg
+        if self._sums[0] > 0:  # a kill inside an update, after its first micro-batch's backward
+            fault_point("grpo.update", self._step())
         logits = model(batch.inputs)
         logp = rl.token_logprobs(logits, batch.targets)
         old = batch.old_logp if batch.old_logp is not None else logp.detach()
@@ -291,4 +339,5 @@ class GrpoObjective:
                 "clip_ratio/high_mean": total[4] / tokens}
         if self.cfg.kl_coef == 0:
             del step["kl"]
-        return {**self._rollout_figures, **step}
+        times, self._times = self._times, {}  # this rank's, on the step that sampled the rollout
+        return {**self._rollout_figures, **step, **{k: round(v, 4) for k, v in times.items()}}
