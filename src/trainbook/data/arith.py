@@ -1,10 +1,12 @@
-"""The data of `recipes/arith-sft.toml`: additions written as conversations, from one seed.
+"""The data of `recipes/arith-sft.toml` and `recipes/arith-grpo.toml`: additions written as conversations, from one seed.
 
 `python -m trainbook.data.arith DIR` writes, byte for byte what the package ships in
 `trainbook/recipes/arith/` (a test regenerates it and compares):
 
 - `train.jsonl`: `{"messages": [{"role": "user", "content": "47+385"}, {"role": "assistant",
   "content": "432"}]}`, one addition a line;
+- `prompts.jsonl`: the training additions as prompts with their `answer`, `{"messages": [{"role":
+  "user", "content": "47+38"}], "answer": "85"}`, for reinforcement learning (`recipes/arith-grpo.toml`);
 - `heldout.jsonl`: `{"messages": [{"role": "user", "content": "18+6"}], "answer": "24"}`, additions
   that are not in the training file, for `trainbook eval --scorer trainbook.rewards:exact_answer`;
 - `tokenizer.json`: one token a byte (a byte-level BPE without merges, so every digit is a token
@@ -55,8 +57,10 @@ def lines(seed: int = SEED, digits: int = DIGITS, train: int = TRAIN, heldout: i
     fit, held = additions(seed, digits, train, heldout)
     train_lines = [json.dumps({"messages": [_user(a, b), {"role": "assistant", "content": str(a + b)}]})
                    for a, b in fit]
+    prompt_lines = [json.dumps({"messages": [_user(a, b)], "answer": str(a + b)}) for a, b in fit]
     held_lines = [json.dumps({"messages": [_user(a, b)], "answer": str(a + b)}) for a, b in held]
-    return {"train.jsonl": "\n".join(train_lines) + "\n", "heldout.jsonl": "\n".join(held_lines) + "\n"}
+    return {"train.jsonl": "\n".join(train_lines) + "\n", "prompts.jsonl": "\n".join(prompt_lines) + "\n",
+            "heldout.jsonl": "\n".join(held_lines) + "\n"}
 
 
 EOS = "<|endoftext|>"
