@@ -1,0 +1,154 @@
+"""GRPO through the real command, on the chain a user runs: a 3-step `recipes/arith-sft.toml` run,
+then `recipes/arith-grpo.toml` started from it (`model.init_from = "run:PATH"`) with a test reward
+whose scores vary between completions of even a barely trained model. One uninterrupted 4-step
+run is the reference: it logs every reward component and the RL figures under TRL's names, and
+a run killed while sampling a rollout or inside an update resumes to the same losses, rewards and
+weights, bit for bit. Bad prompts and reward functions are one line, exit 2, before any run
+directory exists."""
+
+from __future__ import annotations
+
+import json
+import signal
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.conftest import CHILD_TIMEOUT_S, RECIPES, run_cli, run_cli_error
+from tests.e2e.test_resume import _final_weights, _jsonl
+from trainbook.checkpoint import read_latest
+
+REWARDS = '''
+def lengths(prompts, completions, answer, **_):
+    assert len(prompts) == len(completions) == len(answer)
+    return [(len(c) % 3) / 2 for c in completions]
+'''
+
+FIGURES = ("reward", "reward_std", "rewards/lengths/mean", "rewards/exact_answer/mean", "frac_reward_zero_std",
+           "entropy", "clip_ratio/low_mean", "clip_ratio/high_mean", "completions/mean_length",
+           "completions/clipped_ratio", "time/rollout_s", "time/reward_s", "time/reference_s")
+
+
+@pytest.fixture(scope="module")
+def chain(tmp_path_factory) -> Path:
+    """The test folder: `sft/` (3 steps of arith-sft), `grpo.toml` (arith-grpo from it, 4 small
+    steps, a checkpoint every 2) and `straight/`, its uninterrupted run."""
+    tmp = tmp_path_factory.mktemp("grpo")
+    sft = ("train.max_steps=3", "train.eval_every=0", "train.compile=false", "run.threads=1")
+    done = run_cli("run", str(RECIPES / "arith-sft.toml"), *sft, "--run-dir", str(tmp / "sft"), cwd=tmp,
+                   timeout=CHILD_TIMEOUT_S)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    (tmp / "myrewards.py").write_text(REWARDS)
+    (tmp / "grpo.toml").write_text(f"""
+extends = "{RECIPES / 'arith-grpo.toml'}"
+
+[run]
+device = "cpu"
+threads = 1
+
+[model]
+init_from = "run:{tmp / 'sft'}"
+
+[grpo]
+group_size = 4
+prompts_per_step = 4
+
+[[grpo.reward]]
+function = "myrewards:lengths"
+
+[[grpo.reward]]
+function = "trainbook.rewards:exact_answer"
+weight = 0.5
+
+[train]
+micro_batch_size = 8          # 16 completions a step: 2 micro-batches
+max_steps = 4
+compile = false
+
+[optim]
+lr = 1e-3
+
+[checkpoint]
+interval_steps = 2
+
+[log]
+every_steps = 1
+""")
+    done = run_cli("run", str(tmp / "grpo.toml"), "--run-dir", str(tmp / "straight"), cwd=tmp, timeout=CHILD_TIMEOUT_S)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    return tmp
+
+
+def _train(run_dir: Path) -> list[dict]:
+    return [r for r in _jsonl(run_dir / "metrics.jsonl") if r["kind"] == "train"]
+
+
+def _series(run_dir: Path) -> list[tuple]:
+    return [(r["step"], r["loss"], r["grad_norm"], *(r[k] for k in FIGURES if not k.startswith("time/")))
+            for r in _train(run_dir)]
+
+
+def test_a_grpo_run_logs_each_reward_and_the_rl_figures_and_trains(chain):
+    records = _train(chain / "straight")
+    assert [r["step"] for r in records] == [1, 2, 3, 4]
+    for r in records:
+        assert all(k in r for k in FIGURES), sorted(r)
+        # A completion's reward is the weighted sum of its functions' (every function scored all).
+        assert r["reward"] == pytest.approx(r["rewards/lengths/mean"] + 0.5 * r["rewards/exact_answer/mean"])
+        assert 0 < r["completions/mean_length"] <= 6 and 0 <= r["completions/clipped_ratio"] <= 1
+        assert r["clip_ratio/low_mean"] == r["clip_ratio/high_mean"] == 0  # one update a rollout: ratio 1
+        assert "kl" not in r  # kl_coef 0: no reference, no KL
+    assert all(r["grad_norm"] > 0 and r["reward_std"] > 0 for r in records)
+    start, end = _final_weights(chain / "sft"), _final_weights(chain / "straight")
+    assert any(not torch.equal(start[k], end[k]) for k in start)
+
+
+@pytest.mark.parametrize("fault", ["grpo.rollout@3", "grpo.update@3"])
+def test_a_run_killed_in_a_rollout_or_an_update_resumes_bitwise(chain, tmp_path, fault):
+    run_dir = tmp_path / "run"
+    killed = run_cli("run", str(chain / "grpo.toml"), "--run-dir", str(run_dir), cwd=chain,
+                     env={"TRAINBOOK_FAULT": fault}, timeout=CHILD_TIMEOUT_S)
+    assert killed.returncode == -signal.SIGKILL, killed.stdout[-2000:] + killed.stderr[-2000:]
+    assert read_latest(run_dir / "checkpoints") == 2 and [r["step"] for r in _train(run_dir)] == [1, 2]
+    resumed = run_cli("run", "--run-dir", str(run_dir), cwd=chain, timeout=CHILD_TIMEOUT_S)
+    assert resumed.returncode == 0, resumed.stdout[-2000:] + resumed.stderr[-2000:]
+    assert "step-2 at step 2" in resumed.stdout
+    # The rollout of step 3 is sampled again from the same weights and seeds: the same
+    # completions, rewards, losses and gradients, and the same weights at the end.
+    assert _series(run_dir) == _series(chain / "straight")
+    ours, theirs = _final_weights(run_dir), _final_weights(chain / "straight")
+    assert all(torch.equal(ours[k], theirs[k]) for k in theirs)
+
+
+def test_bad_prompts_and_rewards_are_one_line_before_any_run_directory(chain):
+    recipe = str(chain / "grpo.toml")
+    new = str(chain / "never")
+    (chain / "bad-reward.toml").write_text('extends = "grpo.toml"\n\n[[grpo.reward]]\nfunction = "myrewards:nowhere"\n')
+    line = run_cli_error("run", str(chain / "bad-reward.toml"), "--run-dir", new, cwd=chain)
+    assert line == "trainbook: error: grpo.reward[0].function: module 'myrewards' has no 'nowhere'", line
+    prompts = (RECIPES / "arith" / "prompts.jsonl").resolve()  # pkg:// resolves inside the package
+    line = run_cli_error("run", recipe, "train.seq_len=16", "--run-dir", new, cwd=chain)
+    assert f"data.sources[0]: '{prompts}' line 1: the prompt has " in line
+    assert "with grpo.max_new_tokens 6 it needs" in line and "more than train.seq_len 16" in line
+    line = run_cli_error("run", recipe, "train.eval_every=10", "--run-dir", new, cwd=chain)
+    assert line.endswith("train.eval_every: GRPO has no held-out loss: set train.eval_every = 0 and measure the "
+                         "held-out reward with `trainbook eval`"), line
+    assert not Path(new).exists()
+
+
+@pytest.mark.parametrize("layout", [("parallel.dp_shard=2",), ("parallel.dp_shard=1", "parallel.tp=2")],
+                         ids=["fsdp2", "tp2"])
+def test_two_ranks_sample_and_train_as_one_process_does(chain, tmp_path, layout):
+    """FSDP: each rank samples half the prompts with its sharded model (every forward of the
+    sampler is a collective, so the ranks stop together); TP: both ranks sample the same prompts.
+    The completions are the same draws as in one process, so the rewards are equal and the
+    losses and gradient norms agree to float tolerance."""
+    done = run_cli("run", str(chain / "grpo.toml"), *layout, "--nproc", "2", "--run-dir", str(tmp_path / "two"),
+                   cwd=chain, timeout=CHILD_TIMEOUT_S)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    ours, theirs = _train(tmp_path / "two"), _train(chain / "straight")
+    for key in ("reward", "reward_std", "rewards/lengths/mean", "frac_reward_zero_std", "completions/mean_length"):
+        assert [r[key] for r in ours] == [r[key] for r in theirs], key
+    for key in ("loss", "grad_norm", "entropy"):
+        torch.testing.assert_close([r[key] for r in ours], [r[key] for r in theirs], rtol=1e-4, atol=1e-6)
