@@ -181,6 +181,7 @@ BLOCKS = {
     "trainbook export RUN --format peft": ("input", "commands"),
     "trainbook eval runs/my-sft": ("input", "commands"),
     "trainbook run recipes/arith-sft.toml": ("input", "commands"),
+    "trainbook run recipes/arith-grpo.toml": ("input", "commands"),
     "# my-recipe.toml": ("compared", "tests/e2e/test_tutorial.py"),
     "trainbook check my-recipe.toml": ("compared", "tests/e2e/test_tutorial.py"),
     "trainbook bench data my-recipe.toml": ("compared", "tests/e2e/test_tutorial.py"),
