@@ -15,7 +15,8 @@ class SourceConfig(Section):
     """Source name, used in reports and metrics."""
     paths: list[str] = Field(min_length=1)
     """Globs of input files; `pkg://PACKAGE/sub/dir/*.md` resolves inside an installed package."""
-    format: Literal["text", "markdown", "jsonl", "parquet", "chat", "prompt_completion", "prompts"] = "text"
+    format: Literal["text", "markdown", "jsonl", "parquet", "chat", "prompt_completion", "prompts",
+                    "preference"] = "text"
     """`text`: one document per file (or per `separator`); `markdown`: same, markup stripped;
     `jsonl`: one document per line, in `text_field`; `parquet`: one per row of column `text_field`;
     `chat`: JSONL of conversations (`messages_field`: a list of `{role, content}`), rendered with
@@ -23,11 +24,14 @@ class SourceConfig(Section):
     strings (joined as written) or both message lists (rendered with the chat template);
     `prompts` (reinforcement learning, `[grpo]`): JSONL with `prompt` (a string, or messages
     ending with the user's turn, rendered with the chat template and its generation prompt) or
-    `messages`, and any other fields, which the reward functions receive as columns."""
+    `messages`, and any other fields, which the reward functions receive as columns;
+    `preference` (`[dpo]`): JSONL with `prompt_field`, `chosen` and `rejected`, all strings
+    (joined as written) or a message-list prompt and message-list completions (rendered with the
+    chat template), each completion trained as `prompt_completion` trains one."""
     messages_field: str = "messages"
     """`chat`: the field that holds a record's messages."""
     prompt_field: str = "prompt"
-    """`prompt_completion`: the field that holds the prompt."""
+    """`prompt_completion`, `preference`: the field that holds the prompt."""
     completion_field: str = "completion"
     """`prompt_completion`: the field that holds the completion (the trained part)."""
     separator: str | None = None

@@ -4,7 +4,7 @@ Every field has a default and a docstring under it, which is its documentation (
 it as the field's description). Unknown keys are errors. Components receive their own section only, e.g. ``build_model(cfg.model)``.
 
 The sections live beside this file, one module per part of the run (the tables each holds):
-`run`, `data` (`data`, `tokenizer`), `model`, `lora`, `grpo`, `train` (`optim`, `schedule`, `train`,
+`run`, `data` (`data`, `tokenizer`), `model`, `lora`, `grpo`, `dpo`, `train` (`optim`, `schedule`, `train`,
 `precision`), `parallel`, `checkpoint`, `monitor` (`log`, `monitor`, `alerts`), `diagnose`
 (`diagnose`, `triage`) and `book` (`env`, `launch`, `expect`); `section.py` holds their base.
 """
@@ -15,6 +15,7 @@ from trainbook.config.book import EnvConfig, ExpectedFigure, LaunchConfig
 from trainbook.config.checkpoint import CheckpointConfig
 from trainbook.config.data import DataConfig, TokenizerConfig
 from trainbook.config.diagnose import DiagnoseConfig, TriageConfig
+from trainbook.config.dpo import DpoConfig
 from trainbook.config.grpo import GrpoConfig
 from trainbook.config.lora import LoraConfig
 from trainbook.config.model import ModelConfig
@@ -34,6 +35,7 @@ class Config(Section):
     model: ModelConfig = ModelConfig()
     lora: LoraConfig = LoraConfig()
     grpo: GrpoConfig = GrpoConfig()
+    dpo: DpoConfig = DpoConfig()
     optim: OptimConfig = OptimConfig()
     schedule: ScheduleConfig = ScheduleConfig()
     train: TrainConfig = TrainConfig()
@@ -49,3 +51,24 @@ class Config(Section):
     """Published figures this recipe should reach (`[[expect]]` tables), each with its source."""
     diagnose: DiagnoseConfig = DiagnoseConfig()
     triage: TriageConfig = TriageConfig()
+
+    @property
+    def dpo_enabled(self) -> bool:
+        """DPO trains when the sources are preference pairs (resolution checks they all are)."""
+        return any(s.format == "preference" for s in self.data.sources)
+
+    @property
+    def rows_per_sample(self) -> int:
+        """Sequences a sample of `train.micro_batch_size` is: a DPO pair is two."""
+        return 2 if self.dpo_enabled else 1
+
+    def accum_steps(self, dp: int) -> int:
+        """Micro-batches per optimizer step on each of `dp` data-parallel ranks: a GRPO step's
+        share of its rollout's completions, a DPO step's share of its pairs, or the token
+        budget's (of a resolved config: `train.micro_batch_size` is a number)."""
+        t = self.train
+        if self.grpo.enabled:
+            return self.grpo.micro_batches(dp, t.micro_batch_size)
+        if self.dpo_enabled:
+            return self.dpo.micro_batches(dp, t.micro_batch_size)
+        return t.grad_accum_steps(dp)

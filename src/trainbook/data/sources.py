@@ -86,6 +86,7 @@ def iter_documents(
         "chat": _chat_documents,
         "prompt_completion": _chat_documents,
         "prompts": _prompt_documents,
+        "preference": _preference_documents,
     }[source.format]
     if source.format == "parquet" and source.compression in ("gzip", "zstd"):
         raise TrainbookError(
@@ -306,6 +307,74 @@ def prompt_records(source: SourceConfig, where: str) -> list[PromptRecord]:
     """Every record of a `prompts` source, file by file in the order of its paths."""
     return [r for path in resolve_paths(source.paths, where=f"{where}.paths")
             for r in _prompt_records(path, source, where, SourceStats())]
+
+
+@dataclass(frozen=True)
+class PreferenceRecord:
+    """A preference pair as two canonical chat documents (data/chat.py), encoded as a
+    `prompt_completion` record is: the prompt with the chosen completion, and with the rejected."""
+
+    chosen: str
+    rejected: str
+    where: str  # "'FILE' line N"
+
+
+PREFERENCE_FIELDS = ("chosen", "rejected")
+
+
+def _preference_records(
+    path: Path, source: SourceConfig, where: str, stats: SourceStats
+) -> Iterator[PreferenceRecord]:
+    """Each record's prompt (`prompt_field`) with its `chosen` and its `rejected` completion:
+    three strings, or a message-list prompt with message-list completions that hold an assistant
+    turn; anything else is an error naming the file, line and field."""
+    for number, record in _jsonl_records(path, source, where, stats):
+        at = f"'{path}' line {number}"
+        prompt = _field(record, source.prompt_field, "prompt_field", path, number, where)
+        sides = [_field(record, f, f"a preference record's {f} completion", path, number, where)
+                 for f in PREFERENCE_FIELDS]
+        if all(isinstance(x, str) for x in (prompt, *sides)):
+            for f, text in zip(PREFERENCE_FIELDS, sides):
+                if not text:
+                    raise TrainbookError(f"{at}: field '{f}' is empty: nothing to compare", where=where)
+            if sides[0] == sides[1]:
+                raise TrainbookError(f"{at}: 'chosen' and 'rejected' are the same completion", where=where)
+            yield PreferenceRecord(*(text_pair_document(prompt, x) for x in sides), at)
+            continue
+        if any(isinstance(x, str) for x in (prompt, *sides)):
+            raise TrainbookError(f"{at}: '{source.prompt_field}', 'chosen' and 'rejected' must all be strings or "
+                                 "all message lists", where=where)
+        first = check_messages(prompt, f"{at}: field '{source.prompt_field}'", where)
+        documents = []
+        for f, side in zip(PREFERENCE_FIELDS, sides):
+            rest = check_messages(side, f"{at}: field '{f}'", where)
+            if not any(m["role"] == "assistant" for m in rest):
+                raise TrainbookError(f"{at}: field '{f}' has no assistant message: nothing to compare", where=where)
+            documents.append(chat_document(first + rest, completion_from=len(first)))
+        if documents[0] == documents[1]:
+            raise TrainbookError(f"{at}: 'chosen' and 'rejected' are the same completion", where=where)
+        yield PreferenceRecord(*documents, at)
+
+
+def _preference_documents(
+    path: Path, source: SourceConfig, where: str, stats: SourceStats
+) -> Iterator[str]:
+    """What `prepare` tokenizes of a preference source (for a tokenizer trained on the corpus and
+    the data report): each record's prompt and completions as plain text."""
+    for r in _preference_records(path, source, where, stats):
+        texts = []
+        for document in (r.chosen, r.rejected):
+            record = json.loads(document)
+            parts = [record["prompt"], record["completion"]] if "prompt" in record else \
+                [m["content"] for m in record["messages"]]
+            texts.append("\n".join(parts))
+        yield "\n".join(texts)
+
+
+def preference_records(source: SourceConfig, where: str) -> list[PreferenceRecord]:
+    """Every pair of a `preference` source, file by file in the order of its paths."""
+    return [r for path in resolve_paths(source.paths, where=f"{where}.paths")
+            for r in _preference_records(path, source, where, SourceStats())]
 
 
 def locate_record(source: SourceConfig, document: str, where: str) -> str | None:
