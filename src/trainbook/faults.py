@@ -23,8 +23,8 @@ Two kinds of point:
   checkpoint's manifest and its rename, after a given step) that a signal sent from outside could
   only hit by luck. The stops: `train.after_step`, `data.next_batch` (the loop is fetching the
   first batch of step N, phase data), `checkpoint.*` (checkpoint/store.py), `grpo.rollout` (step
-  N's completions are sampled, not yet scored) and `grpo.update` (step N's first micro-batch has
-  been trained, the others not: train/grpo.py). With
+  N's completions are sampled, not yet scored), `grpo.update` and `dpo.update` (step N's first
+  micro-batch has been trained, the others not: train/grpo.py, train/dpo.py). With
   `TRAINBOOK_FAULT_REACHED=<file>` a stop first creates that file: a test times what follows the
   fault from that moment.
 - Damage, `fault_active(point, step)`: the product asks whether to do the point's harm now. Those

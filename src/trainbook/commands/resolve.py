@@ -65,15 +65,12 @@ class Resolved:
     @property
     def accum_steps(self) -> int:
         """Micro-batches per optimizer step on each data-parallel rank."""
-        c = self.cfg
-        if c.grpo.enabled:
-            return c.grpo.micro_batches(self.dims.dp, c.train.micro_batch_size)
-        return c.train.grad_accum_steps(self.dims.dp)
+        return self.cfg.accum_steps(self.dims.dp)
 
     @property
     def tokens_per_step(self) -> int:
         t = self.cfg.train
-        return self.accum_steps * t.micro_batch_size * t.seq_len * self.dims.dp
+        return self.accum_steps * t.micro_batch_size * self.cfg.rows_per_sample * t.seq_len * self.dims.dp
 
     def plan_inputs(self) -> PlanInputs:
         c = self.cfg
@@ -108,6 +105,7 @@ def resolve(recipe: Path, overrides: list[str], world_size: int, *, device_memor
     _check_model_layout(cfg, dims, where)
     _check_fine_tuning(cfg, dims, where)
     _check_grpo(cfg, dims, where)
+    _check_dpo(cfg, dims, where)
     _check_lora(cfg, dims, where)
     chosen = cfg.train.micro_batch_size == "auto"
     mbs = _auto_micro_batch(cfg, dims, device_memory, where) if chosen else cfg.train.micro_batch_size
@@ -240,7 +238,7 @@ def _check_fine_tuning(cfg: Config, dims: ParallelDims, where: str) -> None:
 def _check_grpo(cfg: Config, dims: ParallelDims, where: str) -> None:
     """`[grpo]` trains on `prompts` sources and they feed nothing else; a rollout's prompts split
     over the data-parallel ranks; its step is counted in completions, not tokens."""
-    g, t = cfg.grpo, cfg.train
+    g = cfg.grpo
     prompts = [(i, s) for i, s in enumerate(cfg.data.sources) if s.format == "prompts"]
     if not g.enabled:
         if prompts:
@@ -249,25 +247,54 @@ def _check_grpo(cfg: Config, dims: ParallelDims, where: str) -> None:
                                  "learning samples from: name a reward function in [[grpo.reward]], or train on "
                                  "chat or prompt_completion data", where=f"{where}: data.sources[{i}].format")
         return
+    _check_sampled_steps(cfg, dims, where, "GRPO", "prompts", "grpo.prompts_per_step", g.prompts_per_step,
+                         "grpo.prompts_per_step x grpo.group_size completions")
+
+
+def _check_dpo(cfg: Config, dims: ParallelDims, where: str) -> None:
+    """DPO trains on `preference` sources only, read by the model's own tokenizer; `adapter_off`
+    needs adapters; a step's pairs split over the data-parallel ranks."""
+    if not cfg.dpo_enabled:
+        return
+    if cfg.grpo.enabled:
+        raise TrainbookError("a run trains one objective: [grpo] samples from prompts, DPO trains on preference "
+                             "pairs; remove [[grpo.reward]] or the preference sources", where=f"{where}: grpo.reward")
+    _check_sampled_steps(cfg, dims, where, "DPO", "preference", "dpo.pairs_per_step", cfg.dpo.pairs_per_step,
+                         "dpo.pairs_per_step preference pairs")
+    if cfg.tokenizer.kind != "hf":
+        raise TrainbookError(f"preference data needs the model's own tokenizer.json (kind 'hf'), not kind "
+                             f"'{cfg.tokenizer.kind}'", where=f"{where}: tokenizer.kind")
+    if cfg.dpo.reference == "adapter_off" and not cfg.lora.enabled:
+        raise TrainbookError("reference 'adapter_off' is the policy with its LoRA adapters off: add [lora], or use "
+                             "'frozen' or 'precompute'", where=f"{where}: dpo.reference")
+
+
+def _check_sampled_steps(cfg: Config, dims: ParallelDims, where: str, name: str, fmt: str, per_step_key: str,
+                         per_step: int, step_is: str) -> None:
+    """What GRPO and DPO share: every source is `fmt`; no pipeline; a step's items split over
+    the data-parallel ranks and are counted in items, not tokens; no held-out loss."""
+    t = cfg.train
     for i, s in enumerate(cfg.data.sources):
-        if s.format != "prompts":
-            raise TrainbookError(f"[grpo] samples from format 'prompts' sources; source '{s.name}' "
+        if s.format != fmt:
+            raise TrainbookError(f"{name} trains on format '{fmt}' sources; source '{s.name}' "
                                  f"(data.sources[{i}]) is {s.format}", where=f"{where}: data.sources[{i}].format")
     if dims.pp > 1:
-        raise TrainbookError("GRPO samples with the whole model: one process, FSDP, DDP or TP; not a pipeline",
+        raise TrainbookError(f"{name} runs the whole model: one process, FSDP, DDP or TP; not a pipeline",
                              where=f"{where}: parallel.pp")
-    if g.prompts_per_step % dims.dp:
-        raise TrainbookError(f"{g.prompts_per_step} prompts a step do not split over {dims.dp} data-parallel ranks",
-                             where=f"{where}: grpo.prompts_per_step")
+    if per_step % dims.dp:
+        unit = "prompts" if fmt == "prompts" else "pairs"
+        raise TrainbookError(f"{per_step} {unit} a step do not split over {dims.dp} data-parallel ranks",
+                             where=f"{where}: {per_step_key}")
     if t.global_batch_tokens is not None:
-        raise TrainbookError("a GRPO step trains grpo.prompts_per_step x grpo.group_size completions; remove "
-                             "train.global_batch_tokens", where=f"{where}: train.global_batch_tokens")
+        raise TrainbookError(f"a {name} step trains {step_is}; remove train.global_batch_tokens",
+                             where=f"{where}: train.global_batch_tokens")
     if t.micro_batch_size == "auto":
-        raise TrainbookError("GRPO needs a micro-batch size in completions (e.g. 8)",
-                             where=f"{where}: train.micro_batch_size")
+        unit = "completions" if fmt == "prompts" else "pairs"
+        raise TrainbookError(f"{name} needs a micro-batch size in {unit} (e.g. 8)", where=f"{where}: train.micro_batch_size")
     if t.eval_every:
-        raise TrainbookError("GRPO has no held-out loss: set train.eval_every = 0 and measure the held-out reward "
-                             "with `trainbook eval`", where=f"{where}: train.eval_every")
+        held_out = "reward" if fmt == "prompts" else "reward (or loss)"
+        raise TrainbookError(f"{name} has no held-out loss: set train.eval_every = 0 and measure the held-out "
+                             f"{held_out} with `trainbook eval`", where=f"{where}: train.eval_every")
 
 
 def _check_model_layout(cfg: Config, dims: ParallelDims, where: str) -> None:

@@ -32,6 +32,7 @@ from trainbook.monitor.archive import read_jsonl
 from trainbook.parallel import pick_device
 from trainbook.parallel.runtime import Runtime, env_world_size, start_runtime
 from trainbook.runs import RunPaths, capture_env, create_run_dir
+from trainbook.train.dpo import dpo_inputs
 from trainbook.train.grpo import grpo_inputs
 from trainbook.train.build import build_trainer
 from trainbook.train.settle import settle
@@ -100,6 +101,8 @@ def start_run(res: Resolved, run_dir: Path | None = None, resume: str = "auto") 
         data = prepare_data(res, log=_quiet if rt.distributed else print)
         if cfg.grpo.enabled:  # prompts and reward functions: before the run directory exists
             rt.rank0_first(lambda: grpo_inputs(cfg, data.tokenizer) and None)
+        if cfg.dpo_enabled:  # preference pairs: before the run directory exists
+            rt.rank0_first(lambda: dpo_inputs(cfg, data.tokenizer) and None)
         run_dir, dropped, changed = rt.rank0_first(lambda: _open_run_dir(res, run_dir, start, rt, data))
         if "TORCHELASTIC_RUN_ID" in os.environ:
             write_worker_file(run_dir)  # who this worker is, for the agent's failure recorder

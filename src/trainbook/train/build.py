@@ -126,9 +126,12 @@ def build_objective(cfg: Config, data: Prepared, rt: Runtime, micro_batches: int
                     steps_done) -> Objective:
     """Next-token loss for text; the masked loss (train/objective.py) for data prepared with loss
     masks (chat, prompt_completion), whose settings the resolution checked (commands/resolve.py);
-    GRPO for `[grpo]` on prompts (`steps_done()`: the run's completed steps)."""
+    GRPO for `[grpo]` on prompts, DPO on preference pairs (`steps_done()`: the run's completed
+    steps)."""
     if cfg.grpo.enabled:
         return build_grpo(cfg, data, rt, model, steps_done)
+    if cfg.dpo_enabled:
+        return build_dpo(cfg, data, rt, model, steps_done)
     if data.train_masks is None:
         return NextTokenLoss(micro_batches)
     return MaskedTokenLoss(micro_batches, rt)
@@ -139,7 +142,7 @@ def build_grpo(cfg: Config, data: Prepared, rt: Runtime, model: nn.Module, steps
     which `trainbook run` checked before the run directory was made), sampling with this rank's
     part of the run's own model."""
     from trainbook.model.sampler import LocalSampler
-    from trainbook.train.grpo import GrpoObjective, PromptCycle, grpo_inputs
+    from trainbook.train.grpo import GrpoObjective, StepCycle, grpo_inputs
 
     g, t = cfg.grpo, cfg.train
     prompts, rewards, stop_ids = grpo_inputs(cfg, data.tokenizer)
@@ -153,7 +156,7 @@ def build_grpo(cfg: Config, data: Prepared, rt: Runtime, model: nn.Module, steps
     if g.kl_coef > 0:  # the starting policy, frozen and whole on every rank
         reference = full_model(cfg, rt.device).eval().requires_grad_(False)
     return GrpoObjective(
-        g, rewards, PromptCycle(prompts, g.prompts_per_step, cfg.run.seed, rt.dp_rank, rt.dims.dp),
+        g, rewards, StepCycle(prompts, g.prompts_per_step, cfg.run.seed, rt.dp_rank, rt.dims.dp),
         LocalSampler(model, batch_size=local, pad_id=pad, agree=agree, multiple_of=rt.dims.tp), model, rt,
         micro_batch_size=t.micro_batch_size, decode=data.tokenizer.decode, stop_ids=stop_ids, pad_id=pad,
         seed=cfg.run.seed, reference=reference, steps_done=steps_done)
@@ -183,6 +186,23 @@ def build_checkpointer(settled: Settled, paths: RunPaths, rt: Runtime, events, m
         describe=checkpoint_description(settled.resolved, rt.dims),
         on_commit=lambda step, path, seconds: committed(events, monitors, paths, step, path, seconds),
     )
+
+
+def build_dpo(cfg: Config, data: Prepared, rt: Runtime, model: nn.Module, steps_done) -> Objective:
+    """DPO (train/dpo.py) on the pairs of the recipe's `preference` sources, which `trainbook run`
+    checked before the run directory was made. The reference: the starting model, whole on every
+    rank (`frozen`; `precompute` frees it once it has scored every pair), or the policy without its
+    adapters (`adapter_off`)."""
+    from trainbook.train.dpo import DpoObjective, dpo_inputs
+
+    d = cfg.dpo
+    pairs = dpo_inputs(cfg, data.tokenizer)
+    reference = None
+    if d.reference in ("frozen", "precompute"):
+        reference = full_model(cfg, rt.device).eval().requires_grad_(False)
+    pad = data.tokenizer.pad_id if data.tokenizer.pad_id is not None else data.tokenizer.eos_id
+    return DpoObjective(d, pairs, rt, micro_batch_size=cfg.train.micro_batch_size, pad_id=pad, seed=cfg.run.seed,
+                        policy=model, reference=reference, steps_done=steps_done)
 
 
 def full_model(cfg: Config, device: torch.device) -> nn.Module:

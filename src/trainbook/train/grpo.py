@@ -2,7 +2,7 @@
 each rollout's micro-batches, and the clipped policy loss over them.
 
 A rollout (`GrpoObjective._rollout`):
-1. this rank's prompts for the rollout (`PromptCycle`: a pure function of the rollout's number,
+1. this rank's prompts for the rollout (`StepCycle`: a pure function of the rollout's number,
    so a resumed run draws the prompts an unbroken one drew);
 2. `group_size` completions of each from the rollout engine (model/sampler.py), completion i of
    the rollout drawing from a generator seeded with (run seed, rollout, i): the same draws on
@@ -112,26 +112,27 @@ def grpo_inputs(cfg, tokenizer: Tokenizer) -> tuple[list[Prompt], list[Reward], 
     return prompts, load_rewards(g, prompts[0].record), encoder.stop_ids
 
 
-class PromptCycle:
-    """The prompts of each rollout: rollout k takes global prompts [k P, (k + 1) P) of an order
-    that is a fresh seeded permutation of every prompt each epoch; data-parallel rank r takes its
-    contiguous share. A pure function of k, so resuming needs only the step."""
+class StepCycle:
+    """The items of each step: GRPO's prompts of a rollout, DPO's pairs. Step k takes global
+    items [k P, (k + 1) P) of an order that is a fresh seeded permutation of every item each
+    epoch; data-parallel rank r takes its contiguous share. A pure function of k, so resuming
+    needs only the step. `where`: the recipe key of P, for the error when ranks cannot share it."""
 
-    def __init__(self, prompts: Sequence[Prompt], per_rollout: int, seed: int, dp_rank: int = 0, dp: int = 1):
-        if per_rollout % dp:
-            raise TrainbookError(f"{per_rollout} prompts a rollout do not split over {dp} data-parallel ranks",
-                                 where="grpo.prompts_per_step")
-        self.prompts, self.per_rollout, self.seed = list(prompts), per_rollout, seed
-        self.dp_rank, self.local = dp_rank, per_rollout // dp
+    def __init__(self, items: Sequence, per_step: int, seed: int, dp_rank: int = 0, dp: int = 1,
+                 where: str = "grpo.prompts_per_step"):
+        if per_step % dp:
+            raise TrainbookError(f"{per_step} a step do not split over {dp} data-parallel ranks", where=where)
+        self.items, self.per_step, self.seed = list(items), per_step, seed
+        self.dp_rank, self.local = dp_rank, per_step // dp
 
-    def take(self, rollout: int) -> list[Prompt]:
-        n = len(self.prompts)
-        first = rollout * self.per_rollout + self.dp_rank * self.local
+    def take(self, step: int) -> list:
+        n = len(self.items)
+        first = step * self.per_step + self.dp_rank * self.local
         out = []
         for g in range(first, first + self.local):
             epoch, i = divmod(g, n)
             order = np.random.default_rng([self.seed, epoch]).permutation(n)
-            out.append(self.prompts[int(order[i])])
+            out.append(self.items[int(order[i])])
         return out
 
 
@@ -145,7 +146,7 @@ def micro_batches_per_rollout(cfg: GrpoConfig, dp: int, micro_batch_size: int) -
 
 
 class GrpoObjective:
-    def __init__(self, cfg: GrpoConfig, rewards: list[Reward], prompts: PromptCycle, engine: RolloutEngine,
+    def __init__(self, cfg: GrpoConfig, rewards: list[Reward], prompts: StepCycle, engine: RolloutEngine,
                  policy: nn.Module, rt: Runtime, *, micro_batch_size: int, decode: Callable[[list[int]], str],
                  stop_ids: set[int], pad_id: int, seed: int, reference: nn.Module | None = None,
                  steps_done: Callable[[], int] | None = None):

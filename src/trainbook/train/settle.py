@@ -43,8 +43,8 @@ def settle(cfg: Config, rt: Runtime, workers: Path) -> Settled:
     dims, t = rt.dims, cfg.train
     token_flops = flops_per_token(cfg.model, t.seq_len)
     peak, note = device_peak(rt.device, cfg.precision.dtype, cache=workers / f"peak-{socket.gethostname()}.json")
-    accum = cfg.grpo.micro_batches(dims.dp, t.micro_batch_size) if cfg.grpo.enabled else t.grad_accum_steps(dims.dp)
-    tokens = accum * t.micro_batch_size * t.seq_len * dims.dp
+    accum = cfg.accum_steps(dims.dp)
+    tokens = accum * t.micro_batch_size * cfg.rows_per_sample * t.seq_len * dims.dp
     peaks = [row[0] for row in rt.all_gather_floats([peak.flops if peak else -1.0])]
     compiling = settle_compile(workers / "compile.json", t, rt.device, dims,
                                step_flops=token_flops * tokens / rt.world_size,

@@ -20,7 +20,7 @@ from trainbook.model.sampler import LocalSampler, SamplingParams
 from trainbook.parallel.dims import ParallelDims
 from trainbook.parallel.runtime import Runtime
 from trainbook.train import rl
-from trainbook.train.grpo import GrpoObjective, Prompt, PromptCycle, Reward, load_rewards, micro_batches_per_rollout
+from trainbook.train.grpo import GrpoObjective, Prompt, StepCycle, Reward, load_rewards, micro_batches_per_rollout
 
 STOP = 1
 LOW = 128  # the rewarded tokens: ids below it (a quarter of the vocabulary)
@@ -51,7 +51,7 @@ def prompts(n: int, seed: int) -> list[Prompt]:
 
 def objective(model, cfg: GrpoConfig, fn=low_share, weight=1.0, seed=0, micro=4) -> GrpoObjective:
     reward = Reward("tests:low_share", fn, weight, "grpo.reward[0].function")
-    cycle = PromptCycle(prompts(32, seed=1), cfg.prompts_per_step, seed)
+    cycle = StepCycle(prompts(32, seed=1), cfg.prompts_per_step, seed)
     return GrpoObjective(cfg, [reward], cycle, LocalSampler(model, batch_size=64), model, RT, micro_batch_size=micro,
                          decode=decode, stop_ids={STOP}, pad_id=0, seed=seed)
 
@@ -126,15 +126,15 @@ def test_a_reward_that_raises_is_an_incident_not_the_end_of_the_run():
 
 def test_the_prompt_order_is_a_permutation_per_epoch_split_over_ranks():
     ps = prompts(6, seed=2)
-    whole = PromptCycle(ps, 2, seed=3)
-    ranks = [PromptCycle(ps, 2, seed=3, dp_rank=r, dp=2) for r in range(2)]
+    whole = StepCycle(ps, 2, seed=3)
+    ranks = [StepCycle(ps, 2, seed=3, dp_rank=r, dp=2) for r in range(2)]
     first = [whole.take(k) for k in range(3)]
     assert sorted(p.record.line for rollout in first for p in rollout) == [1, 2, 3, 4, 5, 6]  # one epoch
     assert [ranks[0].take(k) + ranks[1].take(k) for k in range(3)] == first
     second = [p.record.line for k in range(3, 6) for p in whole.take(k)]
     assert sorted(second) == [1, 2, 3, 4, 5, 6] and second != [p.record.line for r in first for p in r]
-    with pytest.raises(TrainbookError, match="3 prompts a rollout do not split over 2"):
-        PromptCycle(ps, 3, seed=0, dp=2)
+    with pytest.raises(TrainbookError, match="3 a step do not split over 2"):
+        StepCycle(ps, 3, seed=0, dp=2)
 
 
 def test_reward_functions_are_checked_on_a_dummy_completion_at_start(tmp_path, monkeypatch):
