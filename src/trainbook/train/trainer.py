@@ -145,10 +145,11 @@ class Trainer:
     def _announce(self) -> None:
         t, dims, s = self.cfg.train, self.rt.dims, self.settled
         layout = " x ".join(f"{k} {v}" for k, v in dims.sizes().items() if v > 1) or "one process"
+        pairs = " pairs x 2 rows" if self.cfg.dpo_enabled else ""
         self._message(
             f"run {self.paths.root} | model {self.cfg.model.name}: {num_params(self.model):,} parameters "
             f"(this rank) | {t.max_steps} steps x {s.tokens_per_step:,} tokens ({s.accum_steps} x "
-            f"{t.micro_batch_size} x {t.seq_len} x {dims.dp} dp) | {layout} | device {self.rt.device}"
+            f"{t.micro_batch_size}{pairs} x {t.seq_len} x {dims.dp} dp) | {layout} | device {self.rt.device}"
         )
         self._message(self.trainable)
         if s.peak is None:
