@@ -43,6 +43,8 @@ def prepare_data(res: Resolved, log=print) -> Prepared:
             where=f"{where}: model.vocab_size",
         )
     t, packing = cfg.train, cfg.data.packing
+    if cfg.grpo.enabled or cfg.dpo_enabled:  # prompts and pairs are read whole by the objective, not windowed
+        return data
     try:
         check_train_split(data.train, t.seq_len, t.micro_batch_size, res.dims.dp, packing)
         if t.eval_every > 0:

@@ -270,9 +270,14 @@ def build_train_loader(cfg: Config, data: Prepared, rt: Runtime, on_reepoch) -> 
     d, t = cfg.data, cfg.train
     # Unset pin_memory: pin when batches go to an accelerator (faster async copies).
     pin = d.pin_memory if d.pin_memory is not None else rt.device.type != "cpu"
+    # GRPO and DPO read their prompts and pairs whole (train/grpo.py, train/dpo.py): their loader
+    # is never drawn from and keeps only the checkpoint's data state, so it asks for the smallest
+    # windows (a prompt file shorter than one seq_len window is fine).
+    whole = cfg.grpo.enabled or cfg.dpo_enabled
+    seq_len, micro = (1, 1) if whole else (t.seq_len, t.micro_batch_size)
     # Each data-parallel rank reads its own slice; tp and pp ranks of one replica read the same.
     return TrainLoader(
-        data.train, {s.name: s.weight for s in d.sources}, t.seq_len, t.micro_batch_size,
+        data.train, {s.name: s.weight for s in d.sources}, seq_len, micro,
         seed=cfg.run.seed, rank=rt.dp_rank, world_size=rt.dims.dp, packing=d.packing,
         eos_id=data.tokenizer.eos_id, num_workers=d.num_workers, pin_memory=pin, on_reepoch=on_reepoch,
         masks=data.train_masks, loss_on=t.loss_on, pad_multiple=pad_multiple(rt.dims),

@@ -139,3 +139,22 @@ def test_a_bad_pair_is_one_line_naming_its_file_and_line(arith, tmp_path, record
         dpo_inputs(bad, tok)
     assert f"'{path}' " in str(e.value) and message in str(e.value), str(e.value)
     assert e.value.where == "data.sources[0]"
+
+
+def test_a_pair_file_shorter_than_one_window_prepares_and_loads(tmp_path):
+    """Pairs (and GRPO's prompts) are read whole by the objective, not cut into seq_len windows:
+    a file of one short pair is data enough."""
+    from trainbook.commands.preflight import prepare_data
+    from trainbook.commands.resolve import resolve
+    from trainbook.train.build import build_train_loader
+
+    (tmp_path / "one.jsonl").write_text('{"prompt": "1+1=", "chosen": "2", "rejected": "3"}\n')
+    recipe = tmp_path / "one.toml"
+    recipe.write_text(f'extends = "{RECIPES / "arith-dpo.toml"}"\n\n[[data.sources]]\nname = "one"\n'
+                      f'paths = ["{tmp_path / "one.jsonl"}"]\nformat = "preference"\n\n[data]\n'
+                      f'cache_dir = "{tmp_path / "cache"}"\n')
+    res = resolve(recipe, ["dpo.pairs_per_step=1", "train.micro_batch_size=1"], world_size=1)
+    data = prepare_data(res, log=lambda *a, **k: None)
+    assert sum(len(s) for s in data.train.values()) < res.cfg.train.seq_len
+    build_train_loader(res.cfg, data, RT, lambda *a: None).close()
+    assert len(dpo_inputs(res.cfg, data.tokenizer)) == 1
