@@ -1,4 +1,5 @@
-"""The data of `recipes/arith-sft.toml` and `recipes/arith-grpo.toml`: additions written as conversations, from one seed.
+"""The data of `recipes/arith-sft.toml`, `arith-grpo.toml` and `arith-dpo.toml`: additions written as conversations,
+from one seed.
 
 `python -m trainbook.data.arith DIR` writes, byte for byte what the package ships in
 `trainbook/recipes/arith/` (a test regenerates it and compares):
@@ -7,6 +8,10 @@
   "content": "432"}]}`, one addition a line;
 - `prompts.jsonl`: the training additions as prompts with their `answer`, `{"messages": [{"role":
   "user", "content": "47+38"}], "answer": "85"}`, for reinforcement learning (`recipes/arith-grpo.toml`);
+- `preference.jsonl`: the training additions as preference pairs, `{"prompt": [{"role": "user",
+  "content": "47+38"}], "chosen": [{"role": "assistant", "content": "85"}], "rejected": [{"role":
+  "assistant", "content": "84"}]}`, the rejected answer off by 1 or 10 either way (never below
+  0), for preference optimisation (`recipes/arith-dpo.toml`);
 - `heldout.jsonl`: `{"messages": [{"role": "user", "content": "18+6"}], "answer": "24"}`, additions
   that are not in the training file, for `trainbook eval --scorer trainbook.rewards:exact_answer`;
 - `tokenizer.json`: one token a byte (a byte-level BPE without merges, so every digit is a token
@@ -52,15 +57,24 @@ def _user(a: int, b: int) -> dict:
     return {"role": "user", "content": f"{a}+{b}"}
 
 
+def _assistant(answer: int) -> dict:
+    return {"role": "assistant", "content": str(answer)}
+
+
 def lines(seed: int = SEED, digits: int = DIGITS, train: int = TRAIN, heldout: int = HELDOUT) -> dict[str, str]:
     """File name -> its text."""
     fit, held = additions(seed, digits, train, heldout)
-    train_lines = [json.dumps({"messages": [_user(a, b), {"role": "assistant", "content": str(a + b)}]})
-                   for a, b in fit]
+    train_lines = [json.dumps({"messages": [_user(a, b), _assistant(a + b)]}) for a, b in fit]
     prompt_lines = [json.dumps({"messages": [_user(a, b)], "answer": str(a + b)}) for a, b in fit]
     held_lines = [json.dumps({"messages": [_user(a, b)], "answer": str(a + b)}) for a, b in held]
+    rng = random.Random(seed + 1)
+    pair_lines = []
+    for a, b in fit:
+        wrong = a + b + rng.choice([d for d in (-10, -1, 1, 10) if a + b + d >= 0])
+        pair_lines.append(json.dumps({"prompt": [_user(a, b)], "chosen": [_assistant(a + b)],
+                                      "rejected": [_assistant(wrong)]}))
     return {"train.jsonl": "\n".join(train_lines) + "\n", "prompts.jsonl": "\n".join(prompt_lines) + "\n",
-            "heldout.jsonl": "\n".join(held_lines) + "\n"}
+            "preference.jsonl": "\n".join(pair_lines) + "\n", "heldout.jsonl": "\n".join(held_lines) + "\n"}
 
 
 EOS = "<|endoftext|>"
