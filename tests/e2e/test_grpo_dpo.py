@@ -1,14 +1,15 @@
-"""GRPO through the real command, on the chain a user runs: a 3-step `recipes/arith-sft.toml` run,
-then `recipes/arith-grpo.toml` started from it (`model.init_from = "run:PATH"`) with a test reward
-whose scores vary between completions of even a barely trained model. One uninterrupted 4-step
-run is the reference: it logs every reward component and the RL figures under TRL's names, and
-a run killed while sampling a rollout or inside an update resumes to the same losses, rewards and
-weights, bit for bit. Bad prompts and reward functions are one line, exit 2, before any run
-directory exists."""
+"""GRPO and DPO through the real command, on the chain a user runs: a 3-step `recipes/arith-sft.toml`
+run, then `recipes/arith-grpo.toml` and `recipes/arith-dpo.toml` started from it
+(`model.init_from = "run:PATH"`). GRPO has a test reward whose scores vary between completions of
+even a barely trained model. For each, one uninterrupted 4-step run is the reference: it logs the
+objective's figures under TRL's names, and a run killed while sampling a rollout or inside an
+update resumes to the same losses, figures and weights, bit for bit. Bad prompts, pairs and reward
+functions are one line, exit 2, before any run directory exists."""
 
 from __future__ import annotations
 
 import json
+import math
 import signal
 from pathlib import Path
 
@@ -152,3 +153,102 @@ def test_two_ranks_sample_and_train_as_one_process_does(chain, tmp_path, layout)
         assert [r[key] for r in ours] == [r[key] for r in theirs], key
     for key in ("loss", "grad_norm", "entropy"):
         torch.testing.assert_close([r[key] for r in ours], [r[key] for r in theirs], rtol=1e-4, atol=1e-6)
+
+
+# ---- DPO ------------------------------------------------------------------------------------
+
+DPO_FIGURES = ("rewards/chosen", "rewards/rejected", "rewards/margins", "rewards/accuracies", "logps/chosen",
+               "logps/rejected")
+
+
+@pytest.fixture(scope="module")
+def dpo(chain) -> Path:
+    """`dpo.toml` (arith-dpo from the chain's SFT run, a frozen reference, 8 pairs a step in 2
+    micro-batches, 4 steps, a checkpoint every 2) and `dpo-straight/`, its uninterrupted run."""
+    (chain / "dpo.toml").write_text(f"""
+extends = "{RECIPES / 'arith-dpo.toml'}"
+
+[run]
+device = "cpu"
+threads = 1
+
+[model]
+init_from = "run:{chain / 'sft'}"
+
+[dpo]
+pairs_per_step = 8
+reference = "frozen"
+
+[train]
+micro_batch_size = 4
+max_steps = 4
+compile = false
+
+[optim]
+lr = 1e-3
+
+[checkpoint]
+interval_steps = 2
+
+[log]
+every_steps = 1
+""")
+    done = run_cli("run", str(chain / "dpo.toml"), "--run-dir", str(chain / "dpo-straight"), cwd=chain,
+                   timeout=CHILD_TIMEOUT_S)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    return chain
+
+
+def _dpo_series(run_dir: Path) -> list[tuple]:
+    return [(r["step"], r["loss"], r["grad_norm"], *(r[k] for k in DPO_FIGURES)) for r in _train(run_dir)]
+
+
+def test_a_dpo_run_starts_at_ln2_logs_trl_figures_and_trains(dpo):
+    records = _train(dpo / "dpo-straight")
+    assert [r["step"] for r in records] == [1, 2, 3, 4]
+    first = records[0]  # the policy is the reference: every margin is 0
+    assert first["loss"] == pytest.approx(math.log(2), abs=1e-6)
+    assert first["rewards/chosen"] == first["rewards/rejected"] == first["rewards/margins"] == 0
+    for r in records:
+        assert 0 <= r["rewards/accuracies"] <= 1 and r["logps/chosen"] < 0 and r["logps/rejected"] < 0
+        assert r["rewards/margins"] == pytest.approx(r["rewards/chosen"] - r["rewards/rejected"])
+    assert any(r["rewards/margins"] != 0 for r in records[1:])
+    start, end = _final_weights(dpo / "sft"), _final_weights(dpo / "dpo-straight")
+    assert any(not torch.equal(start[k], end[k]) for k in start)
+
+
+def test_a_dpo_run_killed_inside_a_step_resumes_bitwise(dpo, tmp_path):
+    run_dir = tmp_path / "run"
+    killed = run_cli("run", str(dpo / "dpo.toml"), "--run-dir", str(run_dir), cwd=dpo,
+                     env={"TRAINBOOK_FAULT": "dpo.update@3"}, timeout=CHILD_TIMEOUT_S)
+    assert killed.returncode == -signal.SIGKILL, killed.stdout[-2000:] + killed.stderr[-2000:]
+    assert read_latest(run_dir / "checkpoints") == 2 and [r["step"] for r in _train(run_dir)] == [1, 2]
+    resumed = run_cli("run", "--run-dir", str(run_dir), cwd=dpo, timeout=CHILD_TIMEOUT_S)
+    assert resumed.returncode == 0, resumed.stdout[-2000:] + resumed.stderr[-2000:]
+    assert _dpo_series(run_dir) == _dpo_series(dpo / "dpo-straight")
+    ours, theirs = _final_weights(run_dir), _final_weights(dpo / "dpo-straight")
+    assert all(torch.equal(ours[k], theirs[k]) for k in theirs)
+
+
+def test_two_fsdp_ranks_train_dpo_as_one_process_does(dpo, tmp_path):
+    """Each rank trains half of a step's pairs; the loss is the mean over all of them."""
+    done = run_cli("run", str(dpo / "dpo.toml"), "parallel.dp_shard=2", "--nproc", "2", "--run-dir",
+                   str(tmp_path / "two"), cwd=dpo, timeout=CHILD_TIMEOUT_S)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    ours, theirs = _train(tmp_path / "two"), _train(dpo / "dpo-straight")
+    for key in ("loss", "grad_norm", *DPO_FIGURES):
+        torch.testing.assert_close([r[key] for r in ours], [r[key] for r in theirs], rtol=1e-4, atol=1e-6)
+
+
+def test_a_bad_pair_is_one_line_before_any_run_directory(dpo):
+    (dpo / "pairs.jsonl").write_text('{"prompt": [{"role": "user", "content": "1+1"}], '
+                                     '"chosen": [{"role": "assistant", "content": "2"}]}\n')
+    (dpo / "bad-pairs.toml").write_text('extends = "dpo.toml"\n\n[[data.sources]]\nname = "mine"\n'
+                                        'paths = ["pairs.jsonl"]\nformat = "preference"\n')
+    new = dpo / "never"
+    line = run_cli_error("run", str(dpo / "bad-pairs.toml"), "--run-dir", str(new), cwd=dpo)
+    assert "pairs.jsonl' line 1: no field 'rejected'" in line, line
+    line = run_cli_error("run", str(dpo / "dpo.toml"), "dpo.reference=adapter_off", "--run-dir", str(new), cwd=dpo)
+    assert line.endswith("dpo.reference: reference 'adapter_off' is the policy with its LoRA adapters off: add "
+                         "[lora], or use 'frozen' or 'precompute'"), line
+    assert not new.exists()
