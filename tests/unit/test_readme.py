@@ -182,6 +182,7 @@ BLOCKS = {
     "trainbook eval runs/my-sft": ("input", "commands"),
     "trainbook run recipes/arith-sft.toml": ("input", "commands"),
     "trainbook run recipes/arith-grpo.toml": ("input", "commands"),
+    "trainbook run recipes/arith-dpo.toml": ("input", "commands"),
     "# my-recipe.toml": ("compared", "tests/e2e/test_tutorial.py"),
     "trainbook check my-recipe.toml": ("compared", "tests/e2e/test_tutorial.py"),
     "trainbook bench data my-recipe.toml": ("compared", "tests/e2e/test_tutorial.py"),
