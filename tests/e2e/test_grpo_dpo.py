@@ -155,6 +155,33 @@ def test_two_ranks_sample_and_train_as_one_process_does(chain, tmp_path, layout)
         torch.testing.assert_close([r[key] for r in ours], [r[key] for r in theirs], rtol=1e-4, atol=1e-6)
 
 
+def _alerts(run_dir: Path) -> list[dict]:
+    return [e for e in _jsonl(run_dir / "events.jsonl") if e["kind"] == "alert"]
+
+
+def test_a_healthy_run_fires_no_alert(chain):
+    assert _alerts(chain / "straight") == []
+
+
+def test_a_learning_rate_that_wrecks_the_policy_fires_the_rl_alerts(chain, tmp_path):
+    """lr 0.1 (100 times the chain's) with a KL term: within 8 steps the policy moves far from the
+    reference, its samples collapse onto one answer, the reward it gained is lost, and every group
+    then scores alike, so nothing trains. Each of the four rules names it."""
+    run_dir = tmp_path / "wrecked"
+    done = run_cli("run", str(chain / "grpo.toml"), "optim.lr=0.1", "grpo.kl_coef=0.04", "train.max_steps=8",
+                   "checkpoint.interval_steps=0", "--run-dir", str(run_dir), cwd=chain, timeout=CHILD_TIMEOUT_S)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    fired = {a["rule"]: a for a in _alerts(run_dir)}
+    assert {"kl_blowup", "entropy_collapse", "reward_collapse", "zero_std_groups"} <= set(fired), sorted(fired)
+    records = {r["step"]: r for r in _train(run_dir)}
+    first = records[1]["entropy"]
+    assert fired["entropy_collapse"]["value"] < 0.1 * first
+    assert fired["kl_blowup"]["value"] > 1.0 == fired["kl_blowup"]["threshold"]
+    at = fired["zero_std_groups"]["step"]
+    assert all(records[k]["frac_reward_zero_std"] == 1.0 for k in range(at - 2, at + 1))
+    assert "alert entropy_collapse at step" in done.stdout
+
+
 # ---- DPO ------------------------------------------------------------------------------------
 
 DPO_FIGURES = ("rewards/chosen", "rewards/rejected", "rewards/margins", "rewards/accuracies", "logps/chosen",

@@ -50,7 +50,8 @@ class MonitorConfig(Section):
 
 
 ALERT_RULES = ("nonfinite", "loss_spike", "grad_spike", "throughput_drop", "stall", "memory_growth",
-               "val_regression", "mix_drift", "straggler")
+               "val_regression", "mix_drift", "straggler", "reward_collapse", "entropy_collapse", "kl_blowup",
+               "zero_std_groups")
 
 
 class AlertsConfig(Section):
@@ -60,7 +61,9 @@ class AlertsConfig(Section):
     """Rule ids that are on: nonfinite, loss_spike, grad_spike, throughput_drop, stall,
     memory_growth, val_regression, mix_drift, straggler (per-rank step time and data wait compared
     each logging interval; a rank slower than the others by the robust rule for 3 intervals in a
-    row is an alert naming rank, host and where its time goes: data, compute, communication)."""
+    row is an alert naming rank, host and where its time goes: data, compute, communication), and
+    for reinforcement learning (`[grpo]`) reward_collapse, entropy_collapse, kl_blowup and
+    zero_std_groups (monitor/alerts.py)."""
     webhook_url: str | None = None
     """POST each alert as JSON here, an http(s) URL (a background thread with timeout and retries;
     never blocks training). A secret: trainbook writes only its fingerprint (`redacted:sha256:...`,
@@ -96,6 +99,17 @@ class AlertsConfig(Section):
     benchmarks/stragglers.py (2 ranks, gloo, the default recipe): a probed step costs 3.4% more; at
     the default `log.every_steps` (10) every 4th logged step keeps the average under 0.1%, and a
     straggler is named after 3 probed intervals (120 steps)."""
+    reward_collapse: float = Field(default=0.5, gt=0, le=1)
+    """GRPO: alert when the mean reward of the last 3 logged steps falls below its best such mean
+    by this fraction of the range the run's step rewards have spanned."""
+    entropy_collapse: float = Field(default=0.1, gt=0, lt=1)
+    """GRPO: alert when the policy's mean entropy a completion token falls below this fraction of
+    its value at the run's first logged step."""
+    kl_blowup: float = Field(default=1.0, gt=0)
+    """GRPO with kl_coef > 0: alert when the mean KL to the reference a completion token exceeds this."""
+    zero_std_steps: int = Field(default=3, ge=1)
+    """GRPO: alert when every group's rewards were equal (frac_reward_zero_std = 1: no advantage,
+    nothing trained) in this many logged steps in a row."""
     webhook_timeout_s: float = Field(default=5.0, gt=0)
     """Timeout of one webhook POST."""
     webhook_retries: int = Field(default=3, ge=0)

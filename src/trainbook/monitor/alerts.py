@@ -21,6 +21,15 @@ Rules (ids are `alerts.rules` values, all on by default):
   recent records that together hold at least 4 / `mix_drift` rows. The mixture's stride schedule
   keeps any run of n rows within 2 rows per source of the weights, so a correct loader stays within
   `mix_drift` / 2 and is never judged on too few rows.
+- Reinforcement learning (a step record with GRPO's figures, train/grpo.py), judged from the first
+  logged step: `reward_collapse`, the mean reward of the last 3 logged steps below its best such
+  mean by `reward_collapse` of the range the run's rewards have spanned (a policy that unlearns
+  what it was rewarded for: too high a learning rate, a reward it found a way around);
+  `entropy_collapse`, the mean entropy a completion token below `entropy_collapse` of its first
+  logged value (every sample becomes the same answer and exploration ends); `kl_blowup`, the mean
+  KL to the reference above `kl_blowup`; `zero_std_groups`, every group's rewards equal in
+  `zero_std_steps` logged steps in a row (all advantages 0: the step trains nothing). GRPO's loss
+  is a surrogate whose value has no trend to spike from: `loss_spike` does not judge it.
 - `stall`: no step finished for `stall_s` seconds. A heartbeat thread watches, so the alert
   comes while the loop is stuck, and says the phase and step the phase tracker shows.
 - `straggler`: per-rank step time and data wait are compared each logging interval; a rank slower
@@ -118,6 +127,11 @@ class AlertRules(Sink):
         self._mix_rows: deque[dict[str, dict]] = deque()  # the newest data_mix records that judge the mixture
         self._best_val: float | None = None
         self._late: tuple[int, int] | None = None  # (rank, logged steps in a row it was the late one)
+        self._rewards: deque[float] = deque(maxlen=RECENT)  # GRPO: the last logged steps' mean rewards
+        self._reward_best: float | None = None  # the best mean of RECENT of them
+        self._reward_range: tuple[float, float] | None = None  # the lowest and highest step reward seen
+        self._first_entropy: float | None = None
+        self._flat_steps = 0  # logged steps in a row whose groups all had equal rewards
         self._last_progress = time.monotonic()
         self._stop = threading.Event()
         self._heartbeat = None
@@ -133,8 +147,11 @@ class AlertRules(Sink):
             self._fire("nonfinite", r.loss, r.step, f"training loss is {r.loss}")
         elif not r.skipped and not math.isfinite(r.grad_norm):
             self._fire("nonfinite", r.grad_norm, r.step, f"gradient norm is {r.grad_norm} (loss {r.loss:.4f})")
+        rl = r.objective if r.objective is not None and "reward" in r.objective else None
         if self._warmed_up(r):
-            self._judge_history(r)
+            self._judge_history(r, judge_loss=rl is None)
+        if rl is not None:
+            self._judge_rl(rl, r.step)
         self._judge_mix(r)
         self._judge_stragglers(r)
         self._remember(r)
@@ -163,9 +180,9 @@ class AlertRules(Sink):
         self._warm_steps += 1
         return self._warm_steps > self.cfg.window
 
-    def _judge_history(self, r: StepReport) -> None:
+    def _judge_history(self, r: StepReport, judge_loss: bool = True) -> None:
         h, c = self._history, self.cfg
-        if math.isfinite(r.loss):
+        if judge_loss and math.isfinite(r.loss):
             z, expected = robust_z(r.loss, h["loss"])
             if z > c.loss_spike_z:
                 self._fire("loss_spike", r.loss, r.step, f"loss {r.loss:.4f} is {z:.1f} robust sigmas above its "
@@ -189,6 +206,47 @@ class AlertRules(Sink):
                        f"{recent:,.0f} tokens/s over the last {RECENT} steps is {recent / median_tps:.0%} of the "
                        f"rolling median {median_tps:,.0f}{cause}", threshold=c.throughput_drop * median_tps)
         self._judge_memory(r)
+
+    def _judge_rl(self, rl: dict, step: int) -> None:
+        """GRPO's figures (train/grpo.py) against the RL rules."""
+        c = self.cfg
+        reward = rl["reward"]
+        if math.isfinite(reward):
+            lo, hi = self._reward_range or (reward, reward)
+            self._reward_range = (min(lo, reward), max(hi, reward))
+            self._rewards.append(reward)
+            if len(self._rewards) == RECENT:
+                recent = statistics.mean(self._rewards)
+                best, span = self._reward_best, self._reward_range[1] - self._reward_range[0]
+                if best is not None and span > 0 and recent < best - c.reward_collapse * span:
+                    self._fire("reward_collapse", recent, step,
+                               f"the mean reward of the last {RECENT} logged steps, {recent:.4g}, fell {best - recent:.4g} "
+                               f"below its best {best:.4g} ({(best - recent) / span:.0%} of the range {span:.4g} the "
+                               "run's rewards have spanned): the policy is unlearning what it was rewarded for",
+                               threshold=best - c.reward_collapse * span)
+                self._reward_best = recent if best is None else max(best, recent)
+        entropy = rl.get("entropy")
+        if entropy is not None and math.isfinite(entropy):
+            first = self._first_entropy
+            if first is None:
+                self._first_entropy = entropy
+            elif entropy < c.entropy_collapse * first:
+                self._fire("entropy_collapse", entropy, step,
+                           f"the policy's entropy, {entropy:.4g} nats a completion token, is {entropy / first:.1%} of "
+                           f"its first {first:.4g}: its samples are becoming one answer and exploration ends",
+                           threshold=c.entropy_collapse * first)
+        kl = rl.get("kl")
+        if kl is not None and math.isfinite(kl) and kl > c.kl_blowup:
+            self._fire("kl_blowup", kl, step, f"the KL to the reference, {kl:.4g} a completion token, is above "
+                       f"{c.kl_blowup:g}: the policy has moved far from where it started", threshold=c.kl_blowup)
+        flat = rl.get("frac_reward_zero_std")
+        self._flat_steps = self._flat_steps + 1 if flat is not None and flat >= 1.0 else 0
+        if self._flat_steps >= c.zero_std_steps:
+            self._fire("zero_std_groups", flat, step,
+                       f"every group's rewards were equal in the last {self._flat_steps} logged steps: every advantage "
+                       "is 0 and the steps train nothing (the rewards cannot tell a group's completions apart: "
+                       "the prompts are too hard or too easy, or a reward ignores the completion)",
+                       threshold=1.0)
 
     def _judge_memory(self, r: StepReport) -> None:
         mem = [*self._history["mem"], r.mem_peak_bytes]
