@@ -23,14 +23,20 @@ subprocess (benchmarks/grpo_vs_trl_trl.py).
 
     bash benchmarks/sft_vs_trl_venv.sh          # once
     .venv/bin/python benchmarks/grpo_vs_trl.py  # ~2 min on 2 CPU cores
+
+and then a whole GRPO step side by side, each with its own generation (`--speed-only` for that
+alone): TRL's GRPOTrainer with transformers' generate against trainbook's trainer and sampler on
+the same prompts, group size and completion length, seconds a step and their ratio.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import subprocess
 import tempfile
+import time
 from pathlib import Path
 
 import numpy as np
@@ -167,6 +173,49 @@ def ours(work: Path, args, case: dict, completions: dict) -> dict:
     return {"advantages": advantages, "losses": losses, "params": params, "prompt_ids": prompt_ids}
 
 
+def speed(args) -> None:
+    """Whole GRPO steps on the same work, each side with its own generation: TRL's GRPOTrainer
+    (transformers' generate with its KV cache) and trainbook's trainer (model/sampler.py); the
+    median seconds of the steps after the first, and their ratio."""
+    rng = np.random.default_rng(1)
+    prompts = [f"Q: {a}+{b}\nA: " for a, b in rng.integers(0, 100, (args.speed_prompts * args.speed_steps, 2))]
+    with tempfile.TemporaryDirectory() as tmp:
+        work = Path(tmp)
+        write_models(work, args.speed_dim, args.speed_layers)
+        (work / "prompts.jsonl").write_text("".join(json.dumps({"prompt": p}) + "\n" for p in prompts))
+        spec = {"model": str(work / "model"), "group_size": args.group, "grad_clip": args.grad_clip,
+                "threads": args.threads, "speed": {"prompts": prompts, "prompts_per_step": args.speed_prompts,
+                                                   "max_new_tokens": args.speed_new, "steps": args.speed_steps}}
+        (work / "spec.json").write_text(json.dumps(spec))
+        done = subprocess.run([str(TRL_PYTHON), str(HERE / "grpo_vs_trl_trl.py"), str(work / "spec.json"),
+                               str(work / "trl")], capture_output=True, text=True)
+        if done.returncode:
+            raise SystemExit(f"the TRL side failed:\n{done.stderr[-4000:]}")
+        theirs = json.loads((work / "trl" / "speed.json").read_text())
+        case = {"name": "speed", "loss_agg": "dapo", "kl_coef": 0.0, "updates": args.speed_steps, "lr": 1e-6}
+        recipe = write_recipe(work, args, case)
+        text = recipe.read_text()
+        for key, value in (("prompts_per_step", args.speed_prompts), ("max_new_tokens", args.speed_new),
+                           ("updates_per_rollout", 1), ("micro_batch_size", args.speed_prompts * args.group),
+                           ("seq_len", 64)):
+            text = "\n".join(f"{key} = {value}" if line.startswith(f"{key} = ") else line for line in text.splitlines())
+        recipe.write_text(text + "\n")
+        steps, lengths = [], []
+        with trainer_of(recipe, work, "speed") as (trainer, data, cfg):
+            for _ in range(args.speed_steps):
+                start = time.perf_counter()
+                trainer.advance()
+                steps.append(time.perf_counter() - start)
+                lengths.append(trainer.step.objective._rollout_figures["completions/mean_length"])
+    ours_s, trl_s = statistics.median(steps[1:]), statistics.median(theirs["step_s"][1:])
+    print(f"\nA whole GRPO step, each side with its own generation: {args.speed_prompts} prompts x {args.group} "
+          f"completions of up to {args.speed_new} tokens, a {args.speed_dim}-dim {args.speed_layers}-layer Llama, "
+          f"{args.threads} threads, median of steps 2..{args.speed_steps}\n")
+    print(f"trainbook  {ours_s:.3f} s a step  (mean completion length {statistics.mean(lengths):.1f})")
+    print(f"TRL        {trl_s:.3f} s a step  (mean completion length {statistics.mean(theirs['mean_length']):.1f})")
+    print(f"ratio      {trl_s / ours_s:.2f}x (TRL's time over trainbook's)")
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--group", type=int, default=4)
@@ -177,11 +226,20 @@ def main() -> int:
     ap.add_argument("--dim", type=int, default=64)
     ap.add_argument("--layers", type=int, default=2)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--speed-only", action="store_true", help="only the step-time comparison")
+    ap.add_argument("--speed-prompts", type=int, default=4)
+    ap.add_argument("--speed-new", type=int, default=32)
+    ap.add_argument("--speed-steps", type=int, default=6)
+    ap.add_argument("--speed-dim", type=int, default=256)
+    ap.add_argument("--speed-layers", type=int, default=4)
     args = ap.parse_args()
     args.prompts = ["Q: 12+34\nA: ", "Q: 7+58\nA: "]
     if not TRL_PYTHON.exists():
         raise SystemExit(f"{TRL_PYTHON} is missing: run `bash benchmarks/sft_vs_trl_venv.sh` first")
     torch.set_num_threads(args.threads)
+    if args.speed_only:
+        speed(args)
+        return 0
     completions = fixed_completions(args.prompts, args.group, args.max_new, seed=0)
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
@@ -219,6 +277,7 @@ def main() -> int:
     widths = [max(len(str(r[i])) for r in [head, *rows]) for i in range(len(head))]
     for r in [head, *rows]:
         print("  ".join(str(x).ljust(w) for x, w in zip(r, widths)))
+    speed(args)
     return 0
 
 

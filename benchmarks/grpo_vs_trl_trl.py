@@ -7,6 +7,8 @@ benchmarks/grpo_reward.py. Writes to OUT:
   CASE.json     the prompt ids TRL encoded, each completion's advantage (keyed by prompt and
                 completion index) and each step's loss
   CASE.pt       every parameter after the steps
+  speed.json    with the spec's `speed`: instead, each second of `steps` GRPO steps with TRL's own
+                generation on the spec's prompts
 
 Usage: .venv-trl/bin/python benchmarks/grpo_vs_trl_trl.py SPEC.json OUT
 """
@@ -16,6 +18,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import time
 from pathlib import Path
 
 import datasets
@@ -81,6 +84,43 @@ def run_case(spec: dict, case: dict, out: Path) -> dict:
     return {**seen, "losses": losses}
 
 
+class _Clock(transformers.TrainerCallback):
+    """Each step's seconds, from its start to its end (generation, scoring, forward, backward)."""
+
+    def __init__(self):
+        self.steps: list[float] = []
+        self._start = 0.0
+
+    def on_step_begin(self, args, state, control, **kw):
+        self._start = time.perf_counter()
+
+    def on_step_end(self, args, state, control, **kw):
+        self.steps.append(time.perf_counter() - self._start)
+
+
+def speed(spec: dict, out: Path) -> dict:
+    """`steps` GRPO steps with TRL's own generation (transformers' generate, its KV cache) on the
+    spec's prompts: each step's seconds."""
+    s = spec["speed"]
+    tok = transformers.AutoTokenizer.from_pretrained(spec["model"])
+    model = transformers.AutoModelForCausalLM.from_pretrained(spec["model"], dtype=torch.float32)
+    config = trl.GRPOConfig(
+        output_dir=str(out / "trainer"), report_to="none", save_strategy="no", logging_steps=1,
+        per_device_train_batch_size=s["prompts_per_step"] * spec["group_size"], gradient_accumulation_steps=1,
+        num_generations=spec["group_size"], max_completion_length=s["max_new_tokens"], max_steps=s["steps"],
+        beta=0.0, loss_type="dapo", temperature=1.0, top_p=1.0, learning_rate=1e-6, lr_scheduler_type="constant",
+        warmup_steps=0, weight_decay=0.0, max_grad_norm=spec["grad_clip"], optim="adamw_torch", seed=0, data_seed=0,
+        bf16=False, fp16=False, use_cpu=True, dataloader_num_workers=0, disable_tqdm=True, log_completions=False,
+    )
+    trainer = trl.GRPOTrainer(model=model, reward_funcs=[digits], args=config, processing_class=tok,
+                              train_dataset=datasets.Dataset.from_list([{"prompt": p} for p in s["prompts"]]))
+    clock = _Clock()
+    trainer.add_callback(clock)
+    trainer.train()
+    lengths = [h["completions/mean_length"] for h in trainer.state.log_history if "completions/mean_length" in h]
+    return {"step_s": clock.steps, "mean_length": lengths}
+
+
 def main() -> int:
     spec_path, out = Path(sys.argv[1]), Path(sys.argv[2])
     spec = json.loads(spec_path.read_text())
@@ -88,6 +128,9 @@ def main() -> int:
     out.mkdir(parents=True, exist_ok=True)
     versions = {"torch": torch.__version__, "trl": trl.__version__, "transformers": transformers.__version__}
     (out / "versions.json").write_text(json.dumps(versions))
+    if "speed" in spec:
+        (out / "speed.json").write_text(json.dumps(speed(spec, out)))
+        return 0
     for case in spec["cases"]:
         (out / f"{case['name']}.json").write_text(json.dumps(run_case(spec, case, out)))
     return 0
