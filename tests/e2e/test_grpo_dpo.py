@@ -24,6 +24,18 @@ REWARDS = '''
 def lengths(prompts, completions, answer, **_):
     assert len(prompts) == len(completions) == len(answer)
     return [(len(c) % 3) / 2 for c in completions]
+
+
+calls = 0
+
+
+def flaky(prompts, completions, **_):
+    """Raises when scoring step 2's rollout (the start-up checks score one dummy completion)."""
+    global calls
+    calls += len(completions) > 1
+    if calls == 2 and len(completions) > 1:
+        raise ConnectionError("the grading server did not answer")
+    return [float(len(c) > 2) for c in completions]
 '''
 
 FIGURES = ("reward", "reward_std", "rewards/lengths/mean", "rewards/exact_answer/mean", "frac_reward_zero_std",
@@ -180,6 +192,26 @@ def test_a_learning_rate_that_wrecks_the_policy_fires_the_rl_alerts(chain, tmp_p
     at = fired["zero_std_groups"]["step"]
     assert all(records[k]["frac_reward_zero_std"] == 1.0 for k in range(at - 2, at + 1))
     assert "alert entropy_collapse at step" in done.stdout
+
+
+def test_a_reward_function_that_raises_is_an_incident_with_its_rollout_not_a_crash(chain, tmp_path):
+    (chain / "flaky.toml").write_text('extends = "grpo.toml"\n\n[[grpo.reward]]\nfunction = "myrewards:lengths"\n\n'
+                                      '[[grpo.reward]]\nfunction = "myrewards:flaky"\n')
+    run_dir = tmp_path / "flaky"
+    done = run_cli("run", str(chain / "flaky.toml"), "train.max_steps=3", "checkpoint.interval_steps=0",
+                   "--run-dir", str(run_dir), cwd=chain, timeout=CHILD_TIMEOUT_S)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "step 2: " in done.stdout and "the grading server did not answer" in done.stdout
+    assert "incidents/step-2/rollout-dp0.json" in done.stdout
+    incident = json.loads((run_dir / "incidents" / "step-2" / "rollout-dp0.json").read_text())
+    assert len(incident["prompts"]) == len(incident["completions"]) == 16 and incident["rollout"] == 1
+    assert incident["rewards_by_function"]["flaky"] == [None] * 16
+    assert incident["rewards_by_function"]["lengths"] == [(len(c) % 3) / 2 for c in incident["completions"]]
+    assert "ConnectionError: the grading server did not answer" in incident["errors"][0]
+    assert sorted(p.name for p in (run_dir / "incidents").iterdir()) == ["step-2"]  # steps 1 and 3 scored
+    records = _train(run_dir)
+    assert [r["step"] for r in records] == [1, 2, 3]
+    assert math.isnan(records[1]["rewards/flaky/mean"]) and not math.isnan(records[2]["rewards/flaky/mean"])
 
 
 # ---- DPO ------------------------------------------------------------------------------------

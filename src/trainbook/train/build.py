@@ -16,6 +16,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from trainbook.atomic import atomic_write_json
 from trainbook.checkpoint import Checkpointer
 from trainbook.config import Config
 from trainbook.data import Prepared, TrainLoader, val_batches
@@ -93,7 +94,8 @@ def build_trainer(settled: Settled, paths: RunPaths, data: Prepared, rt: Runtime
     optimizer = build_optimizer(model, cfg.optim, embeddings=engine.embeddings)
     scaler = precision.loss_scaler()
     state = TrainState(model, optimizer, engine.optim_aliases, loader, scaler, rt, paths.events, logger)
-    objective = build_objective(cfg, data, rt, settled.accum_steps, model, lambda: state.step)
+    objective = build_objective(cfg, data, rt, settled.accum_steps, model, lambda: state.step,
+                                reward_incident(paths, rt, monitors.message))
     checkpointer = build_checkpointer(settled, paths, rt, events, monitors)
 
     is_logged = logged(cfg.log, cfg.train.last_step)
@@ -123,13 +125,13 @@ def build_trainer(settled: Settled, paths: RunPaths, data: Prepared, rt: Runtime
 
 
 def build_objective(cfg: Config, data: Prepared, rt: Runtime, micro_batches: int, model: nn.Module,
-                    steps_done) -> Objective:
+                    steps_done, on_incident=None) -> Objective:
     """Next-token loss for text; the masked loss (train/objective.py) for data prepared with loss
     masks (chat, prompt_completion), whose settings the resolution checked (commands/resolve.py);
     GRPO for `[grpo]` on prompts, DPO on preference pairs (`steps_done()`: the run's completed
     steps)."""
     if cfg.grpo.enabled:
-        return build_grpo(cfg, data, rt, model, steps_done)
+        return build_grpo(cfg, data, rt, model, steps_done, on_incident)
     if cfg.dpo_enabled:
         return build_dpo(cfg, data, rt, model, steps_done)
     if data.train_masks is None:
@@ -137,7 +139,21 @@ def build_objective(cfg: Config, data: Prepared, rt: Runtime, micro_batches: int
     return MaskedTokenLoss(micro_batches, rt)
 
 
-def build_grpo(cfg: Config, data: Prepared, rt: Runtime, model: nn.Module, steps_done) -> Objective:
+def reward_incident(paths: RunPaths, rt: Runtime, message):
+    """What a GRPO rollout whose reward function raised leaves: `incidents/step-N/rollout-dp<R>.json`
+    (its prompts, completions, each function's rewards, advantages and the errors) and a line."""
+    def write(step: int, record: dict) -> None:
+        where = paths.incidents / f"step-{step}"
+        where.mkdir(parents=True, exist_ok=True)
+        name = f"rollout-dp{record['dp_rank']}.json"
+        atomic_write_json(where / name, record)
+        if rt.dp_rank == 0:
+            message(f"{record['errors'][0]}; its rewards for this rollout are unknown and the run goes on "
+                    f"({paths.name(where / name)})")
+    return write
+
+
+def build_grpo(cfg: Config, data: Prepared, rt: Runtime, model: nn.Module, steps_done, on_incident=None) -> Objective:
     """GRPO (train/grpo.py) on the prompts of the recipe's `prompts` sources (`grpo_inputs`,
     which `trainbook run` checked before the run directory was made), sampling with this rank's
     part of the run's own model."""
@@ -159,7 +175,7 @@ def build_grpo(cfg: Config, data: Prepared, rt: Runtime, model: nn.Module, steps
         g, rewards, StepCycle(prompts, g.prompts_per_step, cfg.run.seed, rt.dp_rank, rt.dims.dp),
         LocalSampler(model, batch_size=local, pad_id=pad, agree=agree, multiple_of=rt.dims.tp), model, rt,
         micro_batch_size=t.micro_batch_size, decode=data.tokenizer.decode, stop_ids=stop_ids, pad_id=pad,
-        seed=cfg.run.seed, reference=reference, steps_done=steps_done)
+        seed=cfg.run.seed, reference=reference, steps_done=steps_done, on_incident=on_incident)
 
 
 def model_and_engine(cfg: Config, rt: Runtime, precision: Precision,

@@ -149,7 +149,7 @@ class GrpoObjective:
     def __init__(self, cfg: GrpoConfig, rewards: list[Reward], prompts: StepCycle, engine: RolloutEngine,
                  policy: nn.Module, rt: Runtime, *, micro_batch_size: int, decode: Callable[[list[int]], str],
                  stop_ids: set[int], pad_id: int, seed: int, reference: nn.Module | None = None,
-                 steps_done: Callable[[], int] | None = None):
+                 steps_done: Callable[[], int] | None = None, on_incident: Callable[[int, dict], None] | None = None):
         if cfg.kl_coef > 0 and reference is None:
             raise ValueError("kl_coef > 0 needs a reference model")
         self.cfg, self.rewards, self.prompts, self.engine = cfg, rewards, prompts, engine
@@ -160,6 +160,9 @@ class GrpoObjective:
         # The run's completed steps (its TrainState), read as each rollout begins: a resumed run
         # samples the rollout of its step. None: rollouts count from 0 (tests).
         self.steps_done = steps_done
+        # Called with the step and the rollout's record (prompts, completions, each function's
+        # rewards, advantages, the errors) when a reward function raised: the run's incident folder.
+        self.on_incident = on_incident
         self.rollout = 0
         self._times: dict[str, float] = {}
         self.incidents: list[str] = []
@@ -195,6 +198,7 @@ class GrpoObjective:
         fault_point("grpo.rollout", self._step())  # a kill between sampling and scoring
         texts = [self.decode(c.ids[:-1] if c.stopped else c.ids) for c in completions]
         records = [p.record for p in prompts]
+        known_incidents = len(self.incidents)
         per_fn = [self._score(r, records, texts) for r in self.rewards]
         scored_at = time.perf_counter()
         rewards = rl.total_rewards(per_fn, [r.weight for r in self.rewards])
@@ -229,6 +233,10 @@ class GrpoObjective:
                        "time/reference_s": time.perf_counter() - scored_at}
         self.last = {"rollout": k, "prompts": [r.prompt for r in records for _ in range(G)], "completions": texts,
                      "rewards": rewards, "advantages": advantages.tolist()}
+        errors = self.incidents[known_incidents:]
+        if errors and self.on_incident is not None:
+            self.on_incident(self._step(), {**self.last, "errors": errors, "dp_rank": self.prompts.dp_rank,
+                                            "rewards_by_function": {r.name: s for r, s in zip(self.rewards, per_fn)}})
         self._rollout_figures = self._figures_of(everyone, per_fn, completions, total_sequences)
         return micro
 
@@ -239,7 +247,7 @@ class GrpoObjective:
             return call_scorer(reward.fn, reward.spec, prompts, texts, columns_of(records, G), option=reward.option,
                                allow_none=True)
         except TrainbookError as e:  # an incident of this rollout: its rewards are unknown
-            self.incidents.append(f"rollout {self.rollout}: {e}")
+            self.incidents.append(f"step {self._step()}: {e}")
             return [None] * len(texts)
 
     def _gather(self, rewards: list[float | None]) -> list[float | None]:

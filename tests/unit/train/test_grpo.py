@@ -117,7 +117,7 @@ def test_a_reward_that_raises_is_an_incident_not_the_end_of_the_run():
     obj = objective(policy, CFG, fn=broken)
     produced = obj.produce(iter(()))
     micro = [next(produced) for _ in range(3)]
-    assert obj.incidents == ["rollout 0: grpo.reward[0].function: tests:low_share raised ValueError: the judge is down"]
+    assert obj.incidents == ["step 1: grpo.reward[0].function: tests:low_share raised ValueError: the judge is down"]
     assert obj.last["rewards"] == [None] * 12
     assert all(not b.loss_mask.any() and not b.weights.any() for b in micro)
     loss = sum(obj.loss(policy, b).value for b in micro)
