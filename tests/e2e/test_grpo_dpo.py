@@ -311,3 +311,25 @@ def test_a_bad_pair_is_one_line_before_any_run_directory(dpo):
     assert line.endswith("dpo.reference: reference 'adapter_off' is the policy with its LoRA adapters off: add "
                          "[lora], or use 'frozen' or 'precompute'"), line
     assert not new.exists()
+
+
+def test_the_report_plots_the_objectives_figures(dpo, tmp_path):
+    """`trainbook report` of the GRPO and DPO runs: reward (each function's too), entropy and
+    completion length; DPO's implicit rewards and accuracy, each drawn in a real browser."""
+    from tests.e2e.test_reports import _assert_clean_and_drawn, render
+
+    expected = {
+        "straight": {"chart-reward": {"reward", "lengths", "exact_answer"}, "chart-entropy": {"entropy"},
+                     "chart-completion-length": {"tokens"}},
+        "dpo-straight": {"chart-preference": {"margin", "chosen", "rejected"}, "chart-accuracy": {"accuracy"}},
+    }
+    for name, charts in expected.items():
+        done = run_cli("report", str(dpo / name), cwd=dpo)
+        assert done.returncode == 0, done.stderr
+        page = dpo / name / "report.html"
+        drawn = _assert_clean_and_drawn(render(page, tmp_path / f"{name}.png"), page, tmp_path / f"{name}.png")
+        for cid, series in charts.items():
+            assert {s["name"] for s in drawn[cid]["series"]} == series, (name, cid)
+            assert all(s["points"] == 4 for s in drawn[cid]["series"])
+        others = set(expected) - {name}
+        assert not any(cid in drawn for other in others for cid in expected[other])

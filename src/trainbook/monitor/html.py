@@ -58,6 +58,7 @@ def report_page(run: RunRecord) -> str:
         _phases_chart(run, markers),
         _memory_chart(run, markers),
     ]
+    charts += _objective_charts(run, markers)
     if any(isinstance(r.get("loss_scale"), (int, float)) for r in run.train):
         charts.append(line_chart(Chart("chart-loss-scale", "fp16 loss scale", "step", "scale",
                                        [Series("loss scale", _points(run.train, "loss_scale"))], markers)))
@@ -68,6 +69,37 @@ def report_page(run: RunRecord) -> str:
         "<h2>Events</h2>", _events_timeline(run), _events_table(run),
     ]
     return _page(f"trainbook report: {run.name}", body)
+
+
+def _objective_charts(run: RunRecord, markers: list[Marker]) -> list[str]:
+    """Post-training's figures (train/grpo.py, train/dpo.py), where the records hold them: GRPO's
+    reward (and each function's), KL, entropy and completion length; DPO's implicit rewards and
+    the share of pairs ranked right."""
+    train = run.train
+
+    def has(key: str) -> bool:
+        return any(_number(r.get(key)) is not None for r in train)
+
+    def chart(cid: str, title: str, axis: str, keys: list[tuple[str, str]]) -> str:
+        return line_chart(Chart(cid, title, "step", axis, [Series(label, _points(train, key), dashed=i > 0)
+                                                            for i, (key, label) in enumerate(keys)], markers))
+
+    out = []
+    if has("reward"):
+        functions = sorted({k for r in train for k in r if k.startswith("rewards/") and k.endswith("/mean")})
+        out.append(chart("chart-reward", "Reward (mean over a step's completions)", "reward",
+                         [("reward", "reward"), *((k, k.split("/")[1]) for k in functions)]))
+        for key, cid, title, axis in (("kl", "chart-kl", "KL to the reference (a completion token)", "kl"),
+                                      ("entropy", "chart-entropy", "Entropy (nats a completion token)", "entropy"),
+                                      ("completions/mean_length", "chart-completion-length",
+                                       "Completion length (tokens)", "tokens")):
+            if has(key):
+                out.append(chart(cid, title, axis, [(key, axis)]))
+    if has("rewards/margins"):
+        out.append(chart("chart-preference", "Implicit rewards beta (policy - reference)", "reward",
+                         [("rewards/margins", "margin"), ("rewards/chosen", "chosen"), ("rewards/rejected", "rejected")]))
+        out.append(chart("chart-accuracy", "Pairs ranked right", "share", [("rewards/accuracies", "accuracy")]))
+    return out
 
 
 def _phases_chart(run: RunRecord, markers: list[Marker]) -> str:
