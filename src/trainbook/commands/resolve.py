@@ -74,7 +74,10 @@ class Resolved:
 
     def plan_inputs(self) -> PlanInputs:
         c = self.cfg
-        return PlanInputs(c.model, c.train, c.parallel, c.precision.dtype, c.lora)
+        g, t = c.grpo, c.train
+        reference = (g.enabled and g.kl_coef > 0) or (c.dpo_enabled and c.dpo.reference == "frozen")
+        rollout = (g.completions // self.dims.dp, t.seq_len) if g.enabled else None
+        return PlanInputs(c.model, t, c.parallel, c.precision.dtype, c.lora, c.rows_per_sample, reference, rollout)
 
 
 def resolve(recipe: Path, overrides: list[str], world_size: int, *, device_memory: int | None = None,

@@ -11,12 +11,13 @@ from itertools import accumulate
 
 from trainbook.config import LoraConfig, ModelConfig, ParallelConfig, TrainConfig
 from trainbook.model.count import count
+from trainbook.model.registry import resolve as resolve_model
 from trainbook.parallel.dims import MESH_DIMS, ParallelDims
 from trainbook.sizes import human
 
 __all__ = [
-    "PlanInputs", "activation_terms", "activations", "block_numel", "compute_bytes", "human", "memory", "numel",
-    "rank_of", "residual_bytes", "schedule_actions", "weight_casts",
+    "PlanInputs", "activation_terms", "activations", "block_numel", "compute_bytes", "human", "kv_cache_bytes",
+    "memory", "numel", "rank_of", "reference_bytes", "residual_bytes", "schedule_actions", "weight_casts",
 ]
 
 
@@ -32,6 +33,14 @@ class PlanInputs:
     lora: LoraConfig = field(default_factory=LoraConfig)
     """`[lora]`: with a rank, the base is frozen (its weights held, no gradients, no optimizer
     state) and only the adapters train."""
+    rows_per_sample: int = 1
+    """Sequences one sample of `micro_batch_size` is: a DPO pair is 2."""
+    reference: bool = False
+    """A frozen whole copy of the starting model is kept on every rank (GRPO with kl_coef > 0,
+    DPO's `frozen` reference), in fp32 as the model is built."""
+    rollout: tuple[int, int] | None = None
+    """GRPO: (completions this rank samples at once, positions of a row: prompt + max_new_tokens,
+    at most seq_len): the KV cache of the rollout batch, alive while sampling, not in backward."""
 
 
 def rank_of(dims: ParallelDims, coord: dict[str, int]) -> int:
@@ -124,6 +133,22 @@ def activation_terms(cfg: PlanInputs, samples: int, tp: int, r: int = 4) -> dict
     }
 
 
+def kv_cache_bytes(cfg: PlanInputs, dims: ParallelDims) -> int:
+    """The rollout's KV cache on one rank (model/kv_cache.py): per layer a key and a value tensor
+    of (completions, kv heads on this tp rank, positions, head_dim) in the compute dtype."""
+    if cfg.rollout is None:
+        return 0
+    m = resolve_model(cfg.model)
+    rows, positions = cfg.rollout
+    kv_heads = (m.n_kv_heads or m.n_heads) // dims.tp
+    return m.n_layers * 2 * rows * kv_heads * positions * m.head_dim * compute_bytes(cfg)
+
+
+def reference_bytes(cfg: PlanInputs) -> int:
+    """A frozen whole fp32 copy of the model, on every rank."""
+    return 4 * count(cfg.model).total if cfg.reference else 0
+
+
 def weight_casts(cfg: PlanInputs, dims: ParallelDims, held: dict) -> dict[str, int]:
     """Bytes of the bf16 weight copies autocast makes (cached for the forward, saved for backward)
     per checkpointing mode: every projection and head weight this rank holds, or with
@@ -149,7 +174,7 @@ def activations(cfg: PlanInputs, dims: ParallelDims, pipeline: dict | None, pp_r
     casts = casts or {}
     if pipeline is None:
         stages = [(cfg.model.n_layers, True, True)]
-        samples, ops = t.micro_batch_size, [(1, 0)]
+        samples, ops = t.micro_batch_size * cfg.rows_per_sample, [(1, 0)]
     else:
         stages = [(s["layers"][1] - s["layers"][0], s["embedding"], s["head"])
                   for s in pipeline["stages"] if s["pp_rank"] == pp_rank]
@@ -227,9 +252,11 @@ def memory(ranks: dict[int, dict], dims: ParallelDims, cfg: PlanInputs, pipeline
         optim = sum(d["optim_bytes"] for d in held["params"].values())
         act = activations(cfg, dims, pipeline, held["pp"], weight_casts(cfg, dims, held))
         transient = _transient(cfg, dims, held, grads)
-        total = params + grads + optim + act[mode]["peak"] + transient
+        reference, kv = reference_bytes(cfg), kv_cache_bytes(cfg, dims)
+        # The rollout's cache lives while sampling, the activations in backward: the larger counts.
+        total = params + grads + optim + reference + max(act[mode]["peak"], kv) + transient
         rows[rank] = {"params": params, "grads": grads, "optimizer": optim, "activations": act,
-                      "transient": transient, "total": total}
+                      "transient": transient, "reference": reference, "kv_cache": kv, "total": total}
     per_rank = []
     for rank in range(dims.world_size):  # replicas hold what their dp_replicate-0 twin holds
         twin = rank_of(dims, dims.coordinate(rank) | {"dp_replicate": 0})

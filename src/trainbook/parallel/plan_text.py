@@ -122,6 +122,11 @@ def _memory_lines(mem: dict) -> list[str]:
         lines.append(f"  {_span(ranks):<{width}}{human(params):>10}{human(grads):>10}{human(optim):>11}"
                      f"{human(act):>13}{human(transient):>10}{human(total):>10}   "
                      + " / ".join(human(a) for a in acts))
+    first = mem["per_rank"][0]
+    if first.get("reference") or first.get("kv_cache"):
+        lines.append(f"  and on every rank: {human(first['reference'])} for the frozen reference model, "
+                     f"{human(first['kv_cache'])} for the rollout's KV cache (while sampling, not in backward: the "
+                     "total counts the larger of it and the activations)")
     if mem["ranks_covered"] < mem["world_size"]:
         lines.append(f"  ({mem['ranks_covered']} of {mem['world_size']} ranks: the first and last dp_shard and tp "
                      "index of each pipeline rank; the first holds the largest shards)")
