@@ -192,6 +192,27 @@ def test_a_learning_rate_that_wrecks_the_policy_fires_the_rl_alerts(chain, tmp_p
     at = fired["zero_std_groups"]["step"]
     assert all(records[k]["frac_reward_zero_std"] == 1.0 for k in range(at - 2, at + 1))
     assert "alert entropy_collapse at step" in done.stdout
+    # The post-mortem names the collapse first, with the figures' course and what to change.
+    doctor = run_cli("doctor", str(run_dir), cwd=chain)
+    assert doctor.returncode == 1, doctor.stdout + doctor.stderr
+    verdict = doctor.stdout.splitlines()[0]
+    assert verdict.split(":")[0] in ("kl-blowup", "entropy-collapse", "reward-collapse", "no-signal"), verdict
+    for kind in ("kl-blowup:", "entropy-collapse:", "reward-collapse:", "no-signal:"):
+        assert f"\n{kind}" in doctor.stdout, kind
+    assert "  - entropy " in doctor.stdout and "next: a lower optim.lr" in doctor.stdout
+
+
+def test_doctor_on_a_healthy_grpo_run_shows_the_reward_and_the_rollouts_share(chain):
+    """No RL finding (how its time went is the machine's business), the figures' course, and the
+    rollout's share of the step apart from waiting for data."""
+    doctor = run_cli("doctor", str(chain / "straight"), cwd=chain)
+    assert doctor.returncode in (0, 1), doctor.stdout + doctor.stderr
+    assert not any(f"\n{k}:" in doctor.stdout for k in ("kl-blowup", "entropy-collapse", "reward-collapse",
+                                                          "no-signal", "reward-errors"))
+    assert "\nlearning: how the objective's figures moved" in doctor.stdout
+    assert "  - reward " in doctor.stdout and "  - completion length " in doctor.stdout
+    shares = next(line for line in doctor.stdout.splitlines() if "share of" in line)
+    assert "rollout " in shares and "data " in shares  # the rollout is not counted as waiting for data
 
 
 def test_a_reward_function_that_raises_is_an_incident_with_its_rollout_not_a_crash(chain, tmp_path):

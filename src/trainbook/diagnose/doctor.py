@@ -67,14 +67,21 @@ PLAYBOOKS = {
     "hang": "README.md > Playbooks > Hangs",
     "nan/spike": "README.md > Playbooks > NaN and loss spikes",
     "time": "README.md > Playbooks > Post-mortem: trainbook doctor",
+    "rl": "README.md > Precision and pretrained weights > Reinforcement learning with verifiable rewards",
 }
+RL_ALERTS = {"reward_collapse": "reward-collapse", "entropy_collapse": "entropy-collapse", "kl_blowup": "kl-blowup",
+             "zero_std_groups": "no-signal"}
+ROLLOUT_TIMES = ("time/rollout_s", "time/reward_s", "time/reference_s")  # train/grpo.py: inside the data phase
+NO_SIGNAL_SHARE = 0.9  # the median record's share of groups whose rewards were all equal
 
 
 @dataclass(frozen=True)
 class Finding:
     kind: str
     """healthy | data-bound | compute-bound | communication-bound | checkpoint-bound |
-    evaluation-bound | straggler | oom | hang | nan/spike | failed | died"""
+    evaluation-bound | straggler | oom | hang | nan/spike | failed | died; for GRPO runs
+    reward-collapse | entropy-collapse | kl-blowup | no-signal | reward-errors, and `learning`
+    (not a problem: how a post-training run's figures moved)"""
     summary: str
     evidence: list[str] = field(default_factory=list)
     next_step: str = ""
@@ -82,7 +89,7 @@ class Finding:
 
     @property
     def problem(self) -> bool:
-        return self.kind != "healthy"
+        return self.kind not in ("healthy", "learning")
 
 
 @dataclass
@@ -150,7 +157,69 @@ def diagnose(ev: Evidence) -> list[Finding]:
     if not failures:
         ended = failed(ev) or died(ev)
         failures = [ended] if ended is not None else []
-    return failures + timing(ev)
+    learned, trend = learning(ev)
+    found = failures + learned + timing(ev)
+    if trend and not learned:  # how a post-training run's figures moved, after the verdict
+        found.append(Finding("learning", "how the objective's figures moved", trend, playbook=PLAYBOOKS["rl"]))
+    return found
+
+
+# ---- post-training ----------------------------------------------------------------------
+
+
+def learning(ev: Evidence) -> tuple[list[Finding], list[str]]:
+    """A GRPO or DPO run's learning: its problems (the RL alerts it fired, groups that taught
+    nothing, reward functions that raised) and the lines saying how its figures moved."""
+    train = ev.run.train
+    if not any("reward" in r or "rewards/margins" in r for r in train):
+        return [], []
+    name = ev.paths.name
+    trend = [_trend(train, key, label) for key, label in (
+        ("reward", "reward"), ("entropy", "entropy"), ("kl", "KL"), ("completions/mean_length", "completion length"),
+        ("rewards/accuracies", "rewards/accuracies"), ("rewards/margins", "rewards/margins"))]
+    trend = [t for t in trend if t]
+    found = []
+    for e in ev.run.events:
+        kind = RL_ALERTS.get(e.get("rule")) if e.get("kind") == "alert" else None
+        if kind is not None and not any(f.kind == kind for f in found):
+            found.append(Finding(kind, e.get("message", ""), [f"{name(ev.paths.events)}: alert {e['rule']} at step "
+                                                              f"{e.get('step')}", *([] if found else trend)],
+                                 _RL_NEXT[kind], PLAYBOOKS["rl"]))
+    flat = [r["frac_reward_zero_std"] for r in train if isinstance(r.get("frac_reward_zero_std"), (int, float))]
+    if flat and statistics.median(flat) >= NO_SIGNAL_SHARE and not any(f.kind == "no-signal" for f in found):
+        found.append(Finding("no-signal", f"in the median step {statistics.median(flat):.0%} of the groups scored "
+                             "alike: their advantages are 0 and they train nothing",
+                             [f"{name(ev.paths.metrics)}: frac_reward_zero_std over {len(flat)} records",
+                              *([] if found else trend)],
+                             _RL_NEXT["no-signal"], PLAYBOOKS["rl"]))
+    errors = sorted(ev.paths.incidents.glob("step-*/rollout-dp*.json"), key=_step_of_incident)
+    if errors:
+        first = json.loads(errors[0].read_text())
+        found.append(Finding("reward-errors", f"a reward function raised in {len(errors)} rollout(s); those rewards "
+                             "are unknown", [f"{name(errors[0])}: {first.get('errors', ['?'])[0]}"],
+                             "fix or guard the reward function (a None reward leaves one completion out)",
+                             PLAYBOOKS["rl"]))
+    return found, trend
+
+
+_RL_NEXT = {
+    "reward-collapse": "a lower optim.lr, a KL term (grpo.kl_coef) or a tighter clip; resume from a checkpoint "
+                       "before the collapse",
+    "entropy-collapse": "a lower optim.lr, clip_high above clip_low (DAPO's 0.28), a higher grpo.temperature",
+    "kl-blowup": "a lower optim.lr or a larger grpo.kl_coef",
+    "no-signal": "prompts of the model's level (neither always nor never solved), a reward that tells "
+                 "completions apart, a larger grpo.group_size",
+}
+
+
+def _trend(records: list[dict], key: str, label: str) -> str | None:
+    """"LABEL a -> b (first and last quarter of the records)", or None without the figure."""
+    values = [r[key] for r in records if isinstance(r.get(key), (int, float)) and r[key] == r[key]]
+    if len(values) < 2:
+        return None
+    quarter = max(1, len(values) // 4)
+    head, tail = statistics.mean(values[:quarter]), statistics.mean(values[-quarter:])
+    return f"{label} {head:.4g} -> {tail:.4g} (means of the first and last {quarter} of {len(values)} records)"
 
 
 def verdict_line(findings: list[Finding]) -> str:
@@ -301,10 +370,10 @@ def timing(ev: Evidence) -> list[Finding]:
 
 
 _BOUND_NAMES = {"compute": "compute", "data": "data", "grad_sync": "communication", "checkpoint": "checkpoint",
-                "eval": "evaluation"}
+                "eval": "evaluation", "rollout": "rollout"}
 _DESCRIPTIONS = {"compute": "forward + backward + optimizer", "data": "waiting for data", "grad_sync":
                  "exposed gradient communication (grad_sync)", "checkpoint": "checkpoint blocking",
-                 "eval": "evaluation"}
+                 "eval": "evaluation", "rollout": "GRPO's rollout (sampling, rewards, reference log-probs)"}
 _NEXT = {
     "compute": "faster compute: bf16, train.compile, a larger micro-batch; profile a few steps with "
                "train.profile_steps=[a,b] to see the kernels",
@@ -314,6 +383,8 @@ _NEXT = {
                  "a larger batch per step (train.global_batch_tokens)",
     "checkpoint": "checkpoint.mode=async, or a longer checkpoint.interval_steps",
     "eval": "a longer train.eval_every or fewer train.eval_steps",
+    "rollout": "shorter completions (grpo.max_new_tokens), a faster reward function; sampling is the run's own "
+               "model (time/rollout_s, time/reward_s, time/reference_s in metrics.jsonl split it)",
 }
 
 
@@ -321,6 +392,8 @@ def time_shares(records: list[dict]) -> tuple[dict[str, float], float]:
     """Each part's share of the run's time over `records`, and that time in seconds. A record
     stands for the steps since the previous one; its evaluation and checkpoint happened once."""
     sums = dict.fromkeys(("compute", "data", "grad_sync", "checkpoint", "eval"), 0.0)
+    if any(ROLLOUT_TIMES[0] in r for r in records):  # GRPO: the rollout runs in the data phase
+        sums["rollout"] = 0.0
     previous = None
     for r in records:
         steps = r["step"] - previous if previous is not None else 1
@@ -332,7 +405,10 @@ def time_shares(records: list[dict]) -> tuple[dict[str, float], float]:
         # What no phase claims (none, when the phases add up) counts as compute.
         rest = max(0.0, inner - compute - float(p["data"]) - float(p["grad_sync"]))
         sums["compute"] += (compute + rest) * steps
-        sums["data"] += float(p["data"]) * steps
+        rollout = min(float(p["data"]), sum(float(r.get(k) or 0.0) for k in ROLLOUT_TIMES))
+        if "rollout" in sums:
+            sums["rollout"] += rollout * steps
+        sums["data"] += (float(p["data"]) - (rollout if "rollout" in sums else 0.0)) * steps
         sums["grad_sync"] += float(p["grad_sync"]) * steps
         for k, v in once.items():
             sums[k] += v
