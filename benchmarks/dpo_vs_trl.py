@@ -32,7 +32,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from sft_vs_trl import TRL_PYTHON, max_diff, trainer_of
+from sft_vs_trl import TRL_PYTHON, adamw_tail, max_diff, recipe_head, trainer_of
 from trainbook.commands.preflight import prepare_data
 from trainbook.commands.resolve import resolve
 from trainbook.model.hf import to_hf_state_dict
@@ -85,16 +85,7 @@ def write_models(work: Path, dim: int, layers: int) -> None:
 def write_recipe(work: Path, args, lr: float) -> Path:
     recipe = work / f"dpo-{lr:g}.toml"
     recipe.write_text(f"""
-[run]
-name = "dpo"
-seed = 0
-device = "cpu"
-threads = {args.threads}
-runs_root = "{work / 'runs'}"
-
-[model]
-name = "from_hf"
-init_from = "hf:{work / 'model'}"
+{recipe_head(work, 'dpo', args)}
 
 [[data.sources]]
 name = "pairs"
@@ -120,23 +111,7 @@ max_steps = 1
 eval_every = 0
 compile = false
 
-[optim]
-lr = {lr}
-weight_decay = 0.0
-beta1 = 0.9
-beta2 = 0.999
-eps = 1e-8
-grad_clip = {args.grad_clip}
-
-[schedule]
-kind = "constant"
-warmup_steps = 0
-
-[monitor]
-tensorboard = false
-
-[env]
-enforce = false
+{adamw_tail(lr, args.grad_clip)}
 """)
     return recipe
 

@@ -43,7 +43,7 @@ import numpy as np
 import torch
 
 from dpo_vs_trl import write_models
-from sft_vs_trl import TRL_PYTHON, max_diff, trainer_of
+from sft_vs_trl import TRL_PYTHON, adamw_tail, max_diff, recipe_head, trainer_of
 from trainbook.model.hf import to_hf_state_dict
 from trainbook.model.sampler import Completion
 
@@ -94,16 +94,7 @@ class FixedEngine:
 def write_recipe(work: Path, args, case: dict) -> Path:
     recipe = work / f"{case['name']}.toml"
     recipe.write_text(f"""
-[run]
-name = "grpo"
-seed = 0
-device = "cpu"
-threads = {args.threads}
-runs_root = "{work / 'runs'}"
-
-[model]
-name = "from_hf"
-init_from = "hf:{work / 'model'}"
+{recipe_head(work, 'grpo', args)}
 
 [[data.sources]]
 name = "prompts"
@@ -135,23 +126,7 @@ max_steps = {case['updates']}
 eval_every = 0
 compile = false
 
-[optim]
-lr = {case['lr']}
-weight_decay = 0.0
-beta1 = 0.9
-beta2 = 0.999
-eps = 1e-8
-grad_clip = {args.grad_clip}
-
-[schedule]
-kind = "constant"
-warmup_steps = 0
-
-[monitor]
-tensorboard = false
-
-[env]
-enforce = false
+{adamw_tail(case['lr'], args.grad_clip)}
 """)
     return recipe
 

@@ -100,13 +100,10 @@ def write_model(folder: Path, texts: list[str], dim: int, layers: int) -> None:
     transformers.LlamaForCausalLM(config).save_pretrained(folder)
 
 
-def write_recipe(work: Path, name: str, data: Path, args, *, lora: int = 0, packing: str = "pad",
-                 steps: int = 1, lr: float | None = None) -> Path:
-    recipe = work / f"{name}.toml"
-    lora_block = (f'[lora]\nrank = {lora}\nalpha = {args.alpha}\ntargets = {json.dumps(OURS_TARGETS)}\n'
-                  if lora else "")
-    recipe.write_text(f"""
-[run]
+def recipe_head(work: Path, name: str, args) -> str:
+    """The [run] and [model] tables of a benchmark's recipe: one CPU process on the work folder's
+    Hugging Face model (benchmarks/dpo_vs_trl.py and grpo_vs_trl.py share them)."""
+    return f"""[run]
 name = "{name}"
 seed = 0
 device = "cpu"
@@ -116,6 +113,39 @@ runs_root = "{work / 'runs'}"
 [model]
 name = "from_hf"
 init_from = "hf:{work / 'model'}"
+"""
+
+
+def adamw_tail(lr: float, grad_clip: float) -> str:
+    """The optimizer, schedule, monitor and env tables the TRL comparisons share: fp32 AdamW as
+    TRL's `adamw_torch` (no weight decay, betas 0.9/0.999, eps 1e-8), a constant LR, no warmup."""
+    return f"""[optim]
+lr = {lr}
+weight_decay = 0.0
+beta1 = 0.9
+beta2 = 0.999
+eps = 1e-8
+grad_clip = {grad_clip}
+
+[schedule]
+kind = "constant"
+warmup_steps = 0
+
+[monitor]
+tensorboard = false
+
+[env]
+enforce = false
+"""
+
+
+def write_recipe(work: Path, name: str, data: Path, args, *, lora: int = 0, packing: str = "pad",
+                 steps: int = 1, lr: float | None = None) -> Path:
+    recipe = work / f"{name}.toml"
+    lora_block = (f'[lora]\nrank = {lora}\nalpha = {args.alpha}\ntargets = {json.dumps(OURS_TARGETS)}\n'
+                  if lora else "")
+    recipe.write_text(f"""
+{recipe_head(work, name, args)}
 
 [tokenizer]
 chat_template = "{TEMPLATE}"
@@ -141,23 +171,7 @@ eval_every = 0
 compile = false
 loss_on = "assistant"
 
-[optim]
-lr = {args.lr if lr is None else lr}
-weight_decay = 0.0
-beta1 = 0.9
-beta2 = 0.999
-eps = 1e-8
-grad_clip = {args.grad_clip}
-
-[schedule]
-kind = "constant"
-warmup_steps = 0
-
-[monitor]
-tensorboard = false
-
-[env]
-enforce = false
+{adamw_tail(args.lr if lr is None else lr, args.grad_clip)}
 
 {lora_block}""")
     return recipe
