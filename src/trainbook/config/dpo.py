@@ -8,7 +8,6 @@ arithmetic is train/rl.py). DPO is on when the recipe's sources are `preference`
 
 from __future__ import annotations
 
-import math
 from typing import Literal
 
 from pydantic import Field
@@ -32,7 +31,3 @@ class DpoConfig(Section):
     pairs_per_step: int = Field(default=8, ge=1)
     """Preference pairs of one optimizer step, over all data-parallel ranks (a multiple of their
     number); `train.micro_batch_size` counts pairs too (a micro-batch runs 2 x that many rows)."""
-
-    def micro_batches(self, dp: int, micro_batch_size: int) -> int:
-        """Micro-batches of one step on each data-parallel rank."""
-        return math.ceil(self.pairs_per_step // dp / micro_batch_size)

@@ -9,7 +9,6 @@ names at least one function.
 
 from __future__ import annotations
 
-import math
 from typing import Literal
 
 from pydantic import Field, field_validator
@@ -77,8 +76,3 @@ class GrpoConfig(Section):
     def completions(self) -> int:
         """Completions of one rollout, over all ranks."""
         return self.group_size * self.prompts_per_step
-
-    def micro_batches(self, dp: int, micro_batch_size: int) -> int:
-        """Micro-batches of one update on each data-parallel rank: its share of a rollout's
-        completions, `micro_batch_size` at a time."""
-        return math.ceil(self.completions // dp / micro_batch_size)

@@ -11,6 +11,8 @@ The sections live beside this file, one module per part of the run (the tables e
 
 from __future__ import annotations
 
+import math
+
 from trainbook.config.book import EnvConfig, ExpectedFigure, LaunchConfig
 from trainbook.config.checkpoint import CheckpointConfig
 from trainbook.config.data import DataConfig, TokenizerConfig
@@ -67,8 +69,7 @@ class Config(Section):
         share of its rollout's completions, a DPO step's share of its pairs, or the token
         budget's (of a resolved config: `train.micro_batch_size` is a number)."""
         t = self.train
-        if self.grpo.enabled:
-            return self.grpo.micro_batches(dp, t.micro_batch_size)
-        if self.dpo_enabled:
-            return self.dpo.micro_batches(dp, t.micro_batch_size)
+        if self.grpo.enabled or self.dpo_enabled:  # this rank's completions or pairs, a micro-batch at a time
+            items = self.grpo.completions if self.grpo.enabled else self.dpo.pairs_per_step
+            return math.ceil(items // dp / t.micro_batch_size)
         return t.grad_accum_steps(dp)

@@ -141,10 +141,6 @@ def completion_seed(seed: int, rollout: int, index: int) -> int:
     return int(np.random.SeedSequence([seed, rollout, index]).generate_state(1, np.uint64)[0] >> 1)
 
 
-def micro_batches_per_rollout(cfg: GrpoConfig, dp: int, micro_batch_size: int) -> int:
-    return cfg.micro_batches(dp, micro_batch_size)
-
-
 class GrpoObjective:
     def __init__(self, cfg: GrpoConfig, rewards: list[Reward], prompts: StepCycle, engine: RolloutEngine,
                  policy: nn.Module, rt: Runtime, *, micro_batch_size: int, decode: Callable[[list[int]], str],

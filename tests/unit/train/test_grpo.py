@@ -20,7 +20,7 @@ from trainbook.model.sampler import LocalSampler, SamplingParams
 from trainbook.parallel.dims import ParallelDims
 from trainbook.parallel.runtime import Runtime
 from trainbook.train import rl
-from trainbook.train.grpo import GrpoObjective, Prompt, StepCycle, Reward, load_rewards, micro_batches_per_rollout
+from trainbook.train.grpo import GrpoObjective, Prompt, StepCycle, Reward, load_rewards
 
 STOP = 1
 LOW = 128  # the rewarded tokens: ids below it (a quarter of the vocabulary)
@@ -67,7 +67,7 @@ def test_a_rollout_trains_each_completion_with_its_groups_advantage():
     policy = model()
     obj = objective(policy, CFG)
     produced = obj.produce(iter(()))
-    n = micro_batches_per_rollout(CFG, 1, 4)
+    n = math.ceil(CFG.completions / 4)
     micro = [next(produced) for _ in range(n)]
     last = obj.last
     assert n == 3 and len(last["completions"]) == 12
@@ -179,7 +179,7 @@ def train(weight: float, steps: int = 8) -> float:
     optimizer = torch.optim.AdamW(policy.parameters(), lr=3e-2, weight_decay=0.0)
     produced = obj.produce(iter(()))
     for _ in range(steps):
-        for _ in range(micro_batches_per_rollout(cfg, 1, 4)):
+        for _ in range(math.ceil(cfg.completions / 4)):
             micro = obj.loss(policy, next(produced))
             (micro.value / micro.divisor).backward()
         optimizer.step()
@@ -202,7 +202,7 @@ def test_filter_zero_std_trains_no_token_of_a_group_whose_rewards_are_equal():
     cfg = CFG.model_copy(update={"filter_zero_std": True})
     obj = objective(model(), cfg, fn=half_flat)
     produced = obj.produce(iter(()))
-    micro = [next(produced) for _ in range(micro_batches_per_rollout(cfg, 1, 4))]
+    micro = [next(produced) for _ in range(math.ceil(cfg.completions / 4))]
     flat = [p.record.columns["id"] % 2 == 0 for p in obj.prompts.take(0)]
     assert any(flat) and not all(flat)
     rows = [(b, i) for b in micro for i in range(b.inputs.shape[0])]
