@@ -317,6 +317,7 @@ class PreferenceRecord:
     chosen: str
     rejected: str
     where: str  # "'FILE' line N"
+    text: str  # the prompt and both completions as plain text: what `prepare` tokenizes of the pair
 
 
 PREFERENCE_FIELDS = ("chosen", "rejected")
@@ -333,42 +334,37 @@ def _preference_records(
         prompt = _field(record, source.prompt_field, "prompt_field", path, number, where)
         sides = [_field(record, f, f"a preference record's {f} completion", path, number, where)
                  for f in PREFERENCE_FIELDS]
-        if all(isinstance(x, str) for x in (prompt, *sides)):
+        strings = [isinstance(x, str) for x in (prompt, *sides)]
+        if any(strings) and not all(strings):
+            raise TrainbookError(f"{at}: '{source.prompt_field}', 'chosen' and 'rejected' must all be strings or "
+                                 "all message lists", where=where)
+        if all(strings):
             for f, text in zip(PREFERENCE_FIELDS, sides):
                 if not text:
                     raise TrainbookError(f"{at}: field '{f}' is empty: nothing to compare", where=where)
-            if sides[0] == sides[1]:
-                raise TrainbookError(f"{at}: 'chosen' and 'rejected' are the same completion", where=where)
-            yield PreferenceRecord(*(text_pair_document(prompt, x) for x in sides), at)
-            continue
-        if any(isinstance(x, str) for x in (prompt, *sides)):
-            raise TrainbookError(f"{at}: '{source.prompt_field}', 'chosen' and 'rejected' must all be strings or "
-                                 "all message lists", where=where)
-        first = check_messages(prompt, f"{at}: field '{source.prompt_field}'", where)
-        documents = []
-        for f, side in zip(PREFERENCE_FIELDS, sides):
-            rest = check_messages(side, f"{at}: field '{f}'", where)
-            if not any(m["role"] == "assistant" for m in rest):
-                raise TrainbookError(f"{at}: field '{f}' has no assistant message: nothing to compare", where=where)
-            documents.append(chat_document(first + rest, completion_from=len(first)))
+            documents = [text_pair_document(prompt, x) for x in sides]
+            text = "\n".join([prompt, *sides])
+        else:
+            first = check_messages(prompt, f"{at}: field '{source.prompt_field}'", where)
+            documents, contents = [], [m["content"] for m in first]
+            for f, side in zip(PREFERENCE_FIELDS, sides):
+                rest = check_messages(side, f"{at}: field '{f}'", where)
+                if not any(m["role"] == "assistant" for m in rest):
+                    raise TrainbookError(f"{at}: field '{f}' has no assistant message: nothing to compare",
+                                         where=where)
+                documents.append(chat_document(first + rest, completion_from=len(first)))
+                contents += [m["content"] for m in rest]
+            text = "\n".join(contents)
         if documents[0] == documents[1]:
             raise TrainbookError(f"{at}: 'chosen' and 'rejected' are the same completion", where=where)
-        yield PreferenceRecord(*documents, at)
+        yield PreferenceRecord(*documents, at, text)
 
 
 def _preference_documents(
     path: Path, source: SourceConfig, where: str, stats: SourceStats
 ) -> Iterator[str]:
-    """What `prepare` tokenizes of a preference source (for a tokenizer trained on the corpus and
-    the data report): each record's prompt and completions as plain text."""
     for r in _preference_records(path, source, where, stats):
-        texts = []
-        for document in (r.chosen, r.rejected):
-            record = json.loads(document)
-            parts = [record["prompt"], record["completion"]] if "prompt" in record else \
-                [m["content"] for m in record["messages"]]
-            texts.append("\n".join(parts))
-        yield "\n".join(texts)
+        yield r.text
 
 
 def preference_records(source: SourceConfig, where: str) -> list[PreferenceRecord]:
