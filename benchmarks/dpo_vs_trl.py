@@ -25,14 +25,13 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import subprocess
 import tempfile
 from pathlib import Path
 
 import numpy as np
 import torch
 
-from sft_vs_trl import TRL_PYTHON, adamw_tail, max_diff, recipe_head, trainer_of
+from trl_side import adamw_tail, max_diff, need_trl_venv, recipe_head, run_trl, trainer_of
 from trainbook.commands.preflight import prepare_data
 from trainbook.commands.resolve import resolve
 from trainbook.model.hf import to_hf_state_dict
@@ -159,8 +158,7 @@ def main() -> int:
     ap.add_argument("--step-lrs", default="1e-6,1e-3", help="TRL's DPO default, and a large one")
     ap.add_argument("--threads", type=int, default=2)
     args = ap.parse_args()
-    if not TRL_PYTHON.exists():
-        raise SystemExit(f"{TRL_PYTHON} is missing: run `bash benchmarks/sft_vs_trl_venv.sh` first")
+    need_trl_venv()
     lrs = [float(x) for x in args.step_lrs.split(",")]
     torch.set_num_threads(args.threads)
     with tempfile.TemporaryDirectory() as tmp:
@@ -171,10 +169,7 @@ def main() -> int:
         spec = {"model": str(work / "model"), "reference": str(work / "reference"), "pairs": data,
                 "beta": args.beta, "grad_clip": args.grad_clip, "step_lrs": lrs, "threads": args.threads}
         (work / "spec.json").write_text(json.dumps(spec))
-        done = subprocess.run([str(TRL_PYTHON), str(HERE / "dpo_vs_trl_trl.py"), str(work / "spec.json"),
-                               str(work / "trl")], capture_output=True, text=True)
-        if done.returncode:
-            raise SystemExit(f"the TRL side failed:\n{done.stderr[-4000:]}")
+        run_trl("dpo_vs_trl_trl.py", work / "spec.json", work / "trl")
         theirs = json.loads((work / "trl" / "result.json").read_text())
         rows = []
 

@@ -34,7 +34,6 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import subprocess
 import tempfile
 import time
 from pathlib import Path
@@ -43,7 +42,7 @@ import numpy as np
 import torch
 
 from dpo_vs_trl import write_models
-from sft_vs_trl import TRL_PYTHON, adamw_tail, max_diff, recipe_head, trainer_of
+from trl_side import adamw_tail, max_diff, need_trl_venv, recipe_head, run_trl, trainer_of
 from trainbook.model.hf import to_hf_state_dict
 from trainbook.model.sampler import Completion
 
@@ -162,10 +161,7 @@ def speed(args) -> None:
                 "threads": args.threads, "speed": {"prompts": prompts, "prompts_per_step": args.speed_prompts,
                                                    "max_new_tokens": args.speed_new, "steps": args.speed_steps}}
         (work / "spec.json").write_text(json.dumps(spec))
-        done = subprocess.run([str(TRL_PYTHON), str(HERE / "grpo_vs_trl_trl.py"), str(work / "spec.json"),
-                               str(work / "trl")], capture_output=True, text=True)
-        if done.returncode:
-            raise SystemExit(f"the TRL side failed:\n{done.stderr[-4000:]}")
+        run_trl("grpo_vs_trl_trl.py", work / "spec.json", work / "trl")
         theirs = json.loads((work / "trl" / "speed.json").read_text())
         case = {"name": "speed", "loss_agg": "dapo", "kl_coef": 0.0, "updates": args.speed_steps, "lr": 1e-6}
         recipe = write_recipe(work, args, case)
@@ -209,8 +205,7 @@ def main() -> int:
     ap.add_argument("--speed-layers", type=int, default=4)
     args = ap.parse_args()
     args.prompts = ["Q: 12+34\nA: ", "Q: 7+58\nA: "]
-    if not TRL_PYTHON.exists():
-        raise SystemExit(f"{TRL_PYTHON} is missing: run `bash benchmarks/sft_vs_trl_venv.sh` first")
+    need_trl_venv()
     torch.set_num_threads(args.threads)
     if args.speed_only:
         speed(args)
@@ -225,10 +220,7 @@ def main() -> int:
                 "max_new_tokens": args.max_new, "clip_low": args.clip_low, "clip_high": args.clip_high,
                 "grad_clip": args.grad_clip, "threads": args.threads, "cases": CASES}
         (work / "spec.json").write_text(json.dumps(spec))
-        done = subprocess.run([str(TRL_PYTHON), str(HERE / "grpo_vs_trl_trl.py"), str(work / "spec.json"),
-                               str(work / "trl")], capture_output=True, text=True)
-        if done.returncode:
-            raise SystemExit(f"the TRL side failed:\n{done.stderr[-4000:]}")
+        run_trl("grpo_vs_trl_trl.py", work / "spec.json", work / "trl")
         versions = json.loads((work / "trl" / "versions.json").read_text())
         for case in CASES:
             theirs = json.loads((work / "trl" / f"{case['name']}.json").read_text())

@@ -40,20 +40,18 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from trl_side import TRL_PYTHON, adamw_tail, max_diff, recipe_head, trainer_of
 from trainbook.commands.preflight import prepare_data
 from trainbook.commands.resolve import resolve
 from trainbook.data.chat import TRAINED
 from trainbook.data.samples import loss_select, make_batch, num_samples, padding_report
 from trainbook.model.hf import to_hf_state_dict
 from trainbook.model.lora import to_peft_state_dict
-from trainbook.runs import create_run_dir
-from trainbook.train.build import one_process
 from trainbook.train.objective import masked_loss_sum, trained_tokens
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
 TEMPLATE = REPO / "tests" / "data" / "chatml-generation.jinja"
-TRL_PYTHON = HERE / ".venv-trl" / "bin" / "python"
 OURS_TARGETS = ["wq", "wk", "wv", "wo", "w1", "w2", "w3"]
 PEFT_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "down_proj", "up_proj"]
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
@@ -100,45 +98,6 @@ def write_model(folder: Path, texts: list[str], dim: int, layers: int) -> None:
     transformers.LlamaForCausalLM(config).save_pretrained(folder)
 
 
-def recipe_head(work: Path, name: str, args) -> str:
-    """The [run] and [model] tables of a benchmark's recipe: one CPU process on the work folder's
-    Hugging Face model (benchmarks/dpo_vs_trl.py and grpo_vs_trl.py share them)."""
-    return f"""[run]
-name = "{name}"
-seed = 0
-device = "cpu"
-threads = {args.threads}
-runs_root = "{work / 'runs'}"
-
-[model]
-name = "from_hf"
-init_from = "hf:{work / 'model'}"
-"""
-
-
-def adamw_tail(lr: float, grad_clip: float) -> str:
-    """The optimizer, schedule, monitor and env tables the TRL comparisons share: fp32 AdamW as
-    TRL's `adamw_torch` (no weight decay, betas 0.9/0.999, eps 1e-8), a constant LR, no warmup."""
-    return f"""[optim]
-lr = {lr}
-weight_decay = 0.0
-beta1 = 0.9
-beta2 = 0.999
-eps = 1e-8
-grad_clip = {grad_clip}
-
-[schedule]
-kind = "constant"
-warmup_steps = 0
-
-[monitor]
-tensorboard = false
-
-[env]
-enforce = false
-"""
-
-
 def write_recipe(work: Path, name: str, data: Path, args, *, lora: int = 0, packing: str = "pad",
                  steps: int = 1, lr: float | None = None) -> Path:
     recipe = work / f"{name}.toml"
@@ -175,20 +134,6 @@ loss_on = "assistant"
 
 {lora_block}""")
     return recipe
-
-
-@contextlib.contextmanager
-def trainer_of(recipe: Path, work: Path, tag: str):
-    """A one-process trainbook Trainer of `recipe` (its console output kept in a file)."""
-    res = resolve(recipe, [], world_size=1)
-    with open(work / f"{tag}.console", "w") as console, contextlib.redirect_stdout(console):
-        data = prepare_data(res, log=print)
-        run_dir = create_run_dir(work / "runs", tag, work / "runs" / f"{tag}-{time.time_ns()}")
-        trainer = one_process(res.cfg, run_dir, data, torch.device("cpu"))
-        try:
-            yield trainer, data, res.cfg
-        finally:
-            trainer.close()
 
 
 # ---- the trainbook side -------------------------------------------------------------------
@@ -275,19 +220,6 @@ def plan_totals() -> dict[str, tuple[float, bool]]:
 
 
 # ---- comparing ----------------------------------------------------------------------------
-
-
-def max_diff(ours: dict[str, torch.Tensor], theirs: dict[str, torch.Tensor]) -> tuple[float, str, int]:
-    """(largest |difference|, where, tensors compared) over the names both hold; every name of
-    `ours` must be in `theirs`."""
-    missing = sorted(set(ours) - set(theirs))
-    assert not missing, f"not on the TRL side: {missing[:5]}"
-    worst, where = 0.0, ""
-    for k, v in ours.items():
-        d = (v.float() - theirs[k].float()).abs().max().item()
-        if d > worst:
-            worst, where = d, k
-    return worst, where, len(ours)
 
 
 def after_one_step(work: Path, lr: float, full: dict, lora: dict, ours_grads: dict) -> list[tuple]:
