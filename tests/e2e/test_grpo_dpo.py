@@ -216,7 +216,9 @@ def test_doctor_on_a_healthy_grpo_run_shows_the_reward_and_the_rollouts_share(ch
 
 
 def test_a_reward_function_that_raises_is_an_incident_with_its_rollout_not_a_crash(chain, tmp_path):
-    (chain / "flaky.toml").write_text('extends = "grpo.toml"\n\n[[grpo.reward]]\nfunction = "myrewards:lengths"\n\n'
+    # Scored in a worker process (`reward_workers`), started from the CLI: the error crosses back.
+    (chain / "flaky.toml").write_text('extends = "grpo.toml"\n\n[grpo]\nreward_workers = 1\n\n'
+                                      '[[grpo.reward]]\nfunction = "myrewards:lengths"\n\n'
                                       '[[grpo.reward]]\nfunction = "myrewards:flaky"\n')
     run_dir = tmp_path / "flaky"
     done = run_cli("run", str(chain / "flaky.toml"), "train.max_steps=3", "checkpoint.interval_steps=0",

@@ -3,7 +3,7 @@ each record's prompt, score every completion with the named function, archive it
 
 What reinforcement learning reuses lives below the commands: the prompt file's records and a
 prompt as ids (data/prompts.py), a scorer named by import path and its answer checked
-(train/scoring.py). Every check of the input runs
+(scoring.py). Every check of the input runs
 before the first token is generated, and the scorer's answer is checked before anything is
 written: bad input is one line, exit 2, and no file.
 
@@ -32,7 +32,7 @@ from trainbook.errors import TrainbookError
 from trainbook.model.sampler import LocalSampler, SamplingParams
 from trainbook.runs import RunPaths
 from trainbook.train.checkpoint_model import load_trained
-from trainbook.train.scoring import call_scorer, load_scorer
+from trainbook.scoring import call_scorer, load_scorer
 
 EVALS = "evals"
 EVAL_BATCH = 32  # prompts per batch of the sampler

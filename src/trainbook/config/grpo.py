@@ -65,6 +65,14 @@ class GrpoConfig(Section):
     """DAPO's dynamic sampling, its dropping half: groups whose rewards are all equal train no
     tokens and do not count in the loss's token total (no further prompts are drawn to replace
     them)."""
+    reward_workers: int = Field(default=0, ge=0)
+    """Worker processes (per rank) that run the reward functions, each rollout's completions split
+    among them: for slow functions (a verifier, a sandboxed test run), and ones that may crash or
+    hang. 0: they run in the trainer's own process."""
+    reward_timeout_s: float = Field(default=600.0, gt=0)
+    """With `reward_workers`: a function that has not scored a rollout after this long is an
+    incident (its rewards for the rollout are unknown); its workers are killed and fresh ones
+    start."""
     mask_truncated: bool = False
     """Completions that reach max_new_tokens without stopping train no tokens."""
 

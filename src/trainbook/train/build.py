@@ -114,7 +114,8 @@ def build_trainer(settled: Settled, paths: RunPaths, data: Prepared, rt: Runtime
     # Last: from here on every rank publishes what it does; a hang stops the run with a verdict.
     watchdog = start_hang_watchdog(cfg.parallel.hang_watch_s, rt, tracker, paths, logger)
     closing = [lambda: close_run_logger(logger), *([watchdog.close] if watchdog else []), events.close,
-               monitors.close, loader.close, checkpointer.close, observers.close, oom.close, phase_memory.close]
+               monitors.close, loader.close, checkpointer.close, observers.close, oom.close, phase_memory.close,
+               *([objective.close] if hasattr(objective, "close") else [])]
     return Trainer(
         settled, paths, rt, tracker=tracker, step=step, schedule=LRSchedule(cfg.schedule, cfg.optim.lr,
                                                                               cfg.train.max_steps),

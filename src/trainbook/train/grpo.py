@@ -7,8 +7,10 @@ A rollout (`GrpoObjective._rollout`):
 2. `group_size` completions of each from the rollout engine (model/sampler.py), completion i of
    the rollout drawing from a generator seeded with (run seed, rollout, i): the same draws on
    any number of ranks;
-3. every reward function on every completion; a function that raises is an incident (its
-   rewards for the rollout are None, the message kept in `incidents`), not the end of the run;
+3. every reward function on every completion, in this process or in a pool of worker processes
+   (`reward_workers`, reward_pool.py); a function that raises, crashes its worker or
+   overruns `reward_timeout_s` is an incident (its rewards for the rollout are None, the message
+   kept in `incidents`), not the end of the run;
 4. advantages per group (train/rl.py), the global counts the loss is normalised by, and, when
    they are needed, the old policy's and the reference's log-probabilities, computed once;
 5. micro-batches of prompt + completion, right-padded, the completion's tokens (its stop token
@@ -43,7 +45,8 @@ from trainbook.model.sampler import RolloutEngine, SamplingParams
 from trainbook.parallel.runtime import Runtime
 from trainbook.train import rl
 from trainbook.train.objective import MicroLoss
-from trainbook.train.scoring import Scorer, call_scorer, load_scorer
+from trainbook.reward_pool import RewardPool
+from trainbook.scoring import Scorer, call_scorer, load_scorer
 
 
 class Prompt(NamedTuple):
@@ -159,6 +162,7 @@ class GrpoObjective:
         # Called with the step and the rollout's record (prompts, completions, each function's
         # rewards, advantages, the errors) when a reward function raised: the run's incident folder.
         self.on_incident = on_incident
+        self.pool = RewardPool(cfg.reward_workers) if cfg.reward_workers else None
         self.rollout = 0
         self._times: dict[str, float] = {}
         self.incidents: list[str] = []
@@ -239,9 +243,11 @@ class GrpoObjective:
     def _score(self, reward: Reward, records: list[PromptRecord], texts: list[str]) -> list[float | None]:
         G = self.cfg.group_size
         prompts = [r.prompt for r in records for _ in range(G)]
+        columns = columns_of(records, G)
         try:
-            return call_scorer(reward.fn, reward.spec, prompts, texts, columns_of(records, G), option=reward.option,
-                               allow_none=True)
+            if self.pool is not None:
+                return self.pool.score(reward.spec, reward.option, prompts, texts, columns, self.cfg.reward_timeout_s)
+            return call_scorer(reward.fn, reward.spec, prompts, texts, columns, option=reward.option, allow_none=True)
         except TrainbookError as e:  # an incident of this rollout: its rewards are unknown
             self.incidents.append(f"step {self._step()}: {e}")
             return [None] * len(texts)
@@ -297,6 +303,10 @@ class GrpoObjective:
             given = [s for s in mine if s is not None]
             out[f"rewards/{reward.name}/mean"] = sum(given) / len(given) if given else math.nan
         return out
+
+    def close(self) -> None:
+        if self.pool is not None:
+            self.pool.close()
 
     # ---- the loss ---------------------------------------------------------------------------
 

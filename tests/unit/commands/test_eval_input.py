@@ -9,7 +9,7 @@ import json
 import pytest
 
 from trainbook.data.prompts import columns_of, read_prompts
-from trainbook.train.scoring import call_scorer, load_scorer
+from trainbook.scoring import call_scorer, load_scorer
 from trainbook.errors import TrainbookError
 
 USER = {"role": "user", "content": "What is 1+1?"}

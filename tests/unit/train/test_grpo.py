@@ -6,6 +6,7 @@ held-out reward, training on its negative lowers it."""
 
 from __future__ import annotations
 
+import inspect
 import math
 
 import pytest
@@ -122,6 +123,25 @@ def test_a_reward_that_raises_is_an_incident_not_the_end_of_the_run():
     assert all(not b.loss_mask.any() and not b.weights.any() for b in micro)
     loss = sum(obj.loss(policy, b).value for b in micro)
     assert loss.item() == 0.0
+
+
+def test_a_rollout_scored_in_worker_processes_trains_what_one_scored_here_does(tmp_path, monkeypatch):
+    """`reward_workers`: the workers import the function by its path and score the rollout's
+    completions in two chunks; the rollout's rewards and what it trains are the same."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "share.py").write_text(f"LOW = {LOW}\n\n" + inspect.getsource(low_share))
+    pooled = CFG.model_copy(update={"reward_workers": 2})
+
+    def rollout(cfg):
+        obj = objective(model(), cfg)
+        obj.rewards = [Reward("share:low_share", low_share, 1.0, "grpo.reward[0].function")]
+        micro = obj._rollout(0)
+        obj.close()
+        return obj.last["rewards"], torch.cat([b.advantages for b in micro]), torch.cat([b.weights for b in micro])
+
+    here, there = rollout(CFG), rollout(pooled)
+    assert len(set(here[0])) > 1 and here[0] == there[0]
+    assert torch.equal(here[1], there[1]) and torch.equal(here[2], there[2])
 
 
 def test_the_prompt_order_is_a_permutation_per_epoch_split_over_ranks():
