@@ -192,6 +192,16 @@ def test_a_learning_rate_that_wrecks_the_policy_fires_the_rl_alerts(chain, tmp_p
     at = fired["zero_std_groups"]["step"]
     assert all(records[k]["frac_reward_zero_std"] == 1.0 for k in range(at - 2, at + 1))
     assert "alert entropy_collapse at step" in done.stdout
+    # The step each alert names keeps its rollout, the alert's line with it.
+    for rule, alert in fired.items():
+        kept = json.loads((run_dir / "incidents" / f"step-{alert['step']}" / "rollout-dp0.json").read_text())
+        assert {"rule": rule, "message": alert["message"]} in kept["alerts"] and kept["errors"] == []
+        assert kept["rollout"] == alert["step"] - 1 and len(kept["completions"]) == len(kept["advantages"]) == 16
+        assert kept["rewards"] == [a + 0.5 * b for a, b in zip(kept["rewards_by_function"]["lengths"],
+                                                                 kept["rewards_by_function"]["exact_answer"])]
+    at = fired["zero_std_groups"]["step"]
+    zero = json.loads((run_dir / "incidents" / f"step-{at}" / "rollout-dp0.json").read_text())
+    assert set(zero["advantages"]) == {0.0}  # every group alike: nothing trains
     # The post-mortem names the collapse first, with the figures' course and what to change.
     doctor = run_cli("doctor", str(run_dir), cwd=chain)
     assert doctor.returncode == 1, doctor.stdout + doctor.stderr
@@ -200,6 +210,8 @@ def test_a_learning_rate_that_wrecks_the_policy_fires_the_rl_alerts(chain, tmp_p
     for kind in ("kl-blowup:", "entropy-collapse:", "reward-collapse:", "no-signal:"):
         assert f"\n{kind}" in doctor.stdout, kind
     assert "  - entropy " in doctor.stdout and "next: a lower optim.lr" in doctor.stdout
+    assert "/rollout-dp0.json: that step's rollout (prompts, completions, rewards, advantages)" in doctor.stdout
+    assert "reward-errors" not in doctor.stdout  # the alerts' rollouts are not reward errors
 
 
 def test_doctor_on_a_healthy_grpo_run_shows_the_reward_and_the_rollouts_share(chain):

@@ -182,9 +182,11 @@ def learning(ev: Evidence) -> tuple[list[Finding], list[str]]:
     for e in ev.run.events:
         kind = RL_ALERTS.get(e.get("rule")) if e.get("kind") == "alert" else None
         if kind is not None and not any(f.kind == kind for f in found):
-            found.append(Finding(kind, e.get("message", ""), [f"{name(ev.paths.events)}: alert {e['rule']} at step "
-                                                              f"{e.get('step')}", *([] if found else trend)],
-                                 _RL_NEXT[kind], PLAYBOOKS["rl"]))
+            kept = sorted(ev.paths.incidents.glob(f"step-{e.get('step')}/rollout-dp*.json"))
+            found.append(Finding(kind, e.get("message", ""), [
+                f"{name(ev.paths.events)}: alert {e['rule']} at step {e.get('step')}",
+                *[f"{name(p)}: that step's rollout (prompts, completions, rewards, advantages)" for p in kept[:1]],
+                *([] if found else trend)], _RL_NEXT[kind], PLAYBOOKS["rl"]))
     flat = [r["frac_reward_zero_std"] for r in train if isinstance(r.get("frac_reward_zero_std"), (int, float))]
     if flat and statistics.median(flat) >= NO_SIGNAL_SHARE and not any(f.kind == "no-signal" for f in found):
         found.append(Finding("no-signal", f"in the median step {statistics.median(flat):.0%} of the groups scored "
@@ -192,11 +194,12 @@ def learning(ev: Evidence) -> tuple[list[Finding], list[str]]:
                              [f"{name(ev.paths.metrics)}: frac_reward_zero_std over {len(flat)} records",
                               *([] if found else trend)],
                              _RL_NEXT["no-signal"], PLAYBOOKS["rl"]))
-    errors = sorted(ev.paths.incidents.glob("step-*/rollout-dp*.json"), key=_step_of_incident)
+    rollouts = sorted(ev.paths.incidents.glob("step-*/rollout-dp*.json"), key=_step_of_incident)
+    errors = [(p, r) for p, r in ((p, json.loads(p.read_text())) for p in rollouts) if r.get("errors")]
     if errors:
-        first = json.loads(errors[0].read_text())
+        path, first = errors[0]
         found.append(Finding("reward-errors", f"a reward function raised in {len(errors)} rollout(s); those rewards "
-                             "are unknown", [f"{name(errors[0])}: {first.get('errors', ['?'])[0]}"],
+                             "are unknown", [f"{name(path)}: {first['errors'][0]}"],
                              "fix or guard the reward function (a None reward leaves one completion out)",
                              PLAYBOOKS["rl"]))
     return found, trend

@@ -16,7 +16,6 @@ import numpy as np
 import torch
 from torch import nn
 
-from trainbook.atomic import atomic_write_json
 from trainbook.checkpoint import Checkpointer
 from trainbook.config import Config
 from trainbook.data import Prepared, TrainLoader, val_batches
@@ -49,6 +48,7 @@ from trainbook.train.observers import (
 )
 from trainbook.train.optim import build_optimizer
 from trainbook.train.reporting import StepReports, logged
+from trainbook.train.rollout_incidents import RolloutIncidents
 from trainbook.train.schedule import LRSchedule
 from trainbook.train.settle import Settled, settle
 from trainbook.train.state import TrainState, checkpoint_description
@@ -94,8 +94,12 @@ def build_trainer(settled: Settled, paths: RunPaths, data: Prepared, rt: Runtime
     optimizer = build_optimizer(model, cfg.optim, embeddings=engine.embeddings)
     scaler = precision.loss_scaler()
     state = TrainState(model, optimizer, engine.optim_aliases, loader, scaler, rt, paths.events, logger)
+    incidents = RolloutIncidents(paths, rt, monitors.message)
     objective = build_objective(cfg, data, rt, settled.accum_steps, model, lambda: state.step,
-                                reward_incident(paths, rt, monitors.message))
+                                incidents.reward_error)
+    if cfg.grpo.enabled:  # the rollout of a step an RL alert names
+        incidents.rollout = lambda: objective.last
+        monitors.add(incidents)
     checkpointer = build_checkpointer(settled, paths, rt, events, monitors)
 
     is_logged = logged(cfg.log, cfg.train.last_step)
@@ -138,20 +142,6 @@ def build_objective(cfg: Config, data: Prepared, rt: Runtime, micro_batches: int
     if data.train_masks is None:
         return NextTokenLoss(micro_batches)
     return MaskedTokenLoss(micro_batches, rt)
-
-
-def reward_incident(paths: RunPaths, rt: Runtime, message):
-    """What a GRPO rollout whose reward function raised leaves: `incidents/step-N/rollout-dp<R>.json`
-    (its prompts, completions, each function's rewards, advantages and the errors) and a line."""
-    def write(step: int, record: dict) -> None:
-        where = paths.incidents / f"step-{step}"
-        where.mkdir(parents=True, exist_ok=True)
-        name = f"rollout-dp{record['dp_rank']}.json"
-        atomic_write_json(where / name, record)
-        if rt.dp_rank == 0:
-            message(f"{record['errors'][0]}; its rewards for this rollout are unknown and the run goes on "
-                    f"({paths.name(where / name)})")
-    return write
 
 
 def build_grpo(cfg: Config, data: Prepared, rt: Runtime, model: nn.Module, steps_done, on_incident=None) -> Objective:

@@ -232,11 +232,11 @@ class GrpoObjective:
         self._times = {"time/rollout_s": sampled - began, "time/reward_s": scored_at - sampled,
                        "time/reference_s": time.perf_counter() - scored_at}
         self.last = {"rollout": k, "prompts": [r.prompt for r in records for _ in range(G)], "completions": texts,
-                     "rewards": rewards, "advantages": advantages.tolist()}
+                     "rewards_by_function": {r.name: s for r, s in zip(self.rewards, per_fn)}, "rewards": rewards,
+                     "advantages": advantages.tolist()}
         errors = self.incidents[known_incidents:]
         if errors and self.on_incident is not None:
-            self.on_incident(self._step(), {**self.last, "errors": errors, "dp_rank": self.prompts.dp_rank,
-                                            "rewards_by_function": {r.name: s for r, s in zip(self.rewards, per_fn)}})
+            self.on_incident(self._step(), {**self.last, "errors": errors})
         self._rollout_figures = self._figures_of(everyone, per_fn, completions, total_sequences)
         return micro
 
