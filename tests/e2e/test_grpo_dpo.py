@@ -26,6 +26,11 @@ def lengths(prompts, completions, answer, **_):
     return [(len(c) % 3) / 2 for c in completions]
 
 
+def half_flat(prompts, completions, answer, **_):
+    """Every completion of a prompt whose answer is even scores 1: about half the groups are alike."""
+    return [1.0 if int(a) % 2 == 0 else (len(c) % 3) / 2 for c, a in zip(completions, answer)]
+
+
 calls = 0
 
 
@@ -165,6 +170,23 @@ def test_two_ranks_sample_and_train_as_one_process_does(chain, tmp_path, layout)
         assert [r[key] for r in ours] == [r[key] for r in theirs], key
     for key in ("loss", "grad_norm", "entropy"):
         torch.testing.assert_close([r[key] for r in ours], [r[key] for r in theirs], rtol=1e-4, atol=1e-6)
+
+
+def test_two_fsdp_ranks_refill_the_groups_filter_zero_std_drops(chain, tmp_path):
+    """DAPO's dynamic sampling on two sharded ranks: about half of each rollout's groups score
+    alike, so the ranks draw more prompts, each as often as the other (a sharded model samples in
+    step), and train on groups whose rewards differ."""
+    (chain / "refill.toml").write_text('extends = "grpo.toml"\n\n[grpo]\nfilter_zero_std = true\n\n'
+                                       '[[grpo.reward]]\nfunction = "myrewards:half_flat"\n')
+    run_dir = tmp_path / "refill"
+    done = run_cli("run", str(chain / "refill.toml"), "parallel.dp_shard=2", "--nproc", "2", "train.max_steps=2",
+                   "checkpoint.interval_steps=0", "--run-dir", str(run_dir), cwd=chain, timeout=CHILD_TIMEOUT_S)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    records = _train(run_dir)
+    assert [r["step"] for r in records] == [1, 2]
+    assert any(r["frac_reward_zero_std"] > 0 for r in records)
+    assert all(r["rollout/draws"] > 1 for r in records if r["frac_reward_zero_std"] > 0)
+    assert all(r["grad_norm"] > 0 for r in records)
 
 
 def _alerts(run_dir: Path) -> list[dict]:

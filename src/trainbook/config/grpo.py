@@ -62,9 +62,13 @@ class GrpoConfig(Section):
     updates_per_rollout: int = Field(default=1, ge=1)
     """Optimizer steps on each rollout (1: the ratio is 1 and the loss is REINFORCE's with a baseline)."""
     filter_zero_std: bool = False
-    """DAPO's dynamic sampling, its dropping half: groups whose rewards are all equal train no
-    tokens and do not count in the loss's token total (no further prompts are drawn to replace
-    them)."""
+    """DAPO's dynamic sampling: groups whose rewards are all equal are dropped and more prompts
+    drawn (up to `filter_max_draws` rollout batches a step) until each rank has its share of
+    groups whose rewards differ; groups still missing then are equal-reward ones, which train no
+    tokens and do not count in the loss's token total."""
+    filter_max_draws: int = Field(default=4, ge=1)
+    """With `filter_zero_std`: rollout batches a step may sample, its first included (DAPO's
+    max_num_gen_batches); 1 drops equal-reward groups without drawing more."""
     reward_workers: int = Field(default=0, ge=0)
     """Worker processes (per rank) that run the reward functions, each rollout's completions split
     among them: for slow functions (a verifier, a sandboxed test run), and ones that may crash or

@@ -11,9 +11,11 @@ A rollout (`GrpoObjective._rollout`):
    (`reward_workers`, reward_pool.py); a function that raises, crashes its worker or
    overruns `reward_timeout_s` is an incident (its rewards for the rollout are None, the message
    kept in `incidents`), not the end of the run;
-4. advantages per group (train/rl.py), the global counts the loss is normalised by, and, when
+4. with `filter_zero_std`, more prompts drawn while a rank lacks groups whose rewards differ
+   (`_refill`, DAPO's dynamic sampling);
+5. advantages per group (train/rl.py), the global counts the loss is normalised by, and, when
    they are needed, the old policy's and the reference's log-probabilities, computed once;
-5. micro-batches of prompt + completion, right-padded, the completion's tokens (its stop token
+6. micro-batches of prompt + completion, right-padded, the completion's tokens (its stop token
    included) the only ones trained; they serve `updates_per_rollout` optimizer steps.
 
 The loss of a micro-batch is sum(token weight x per-token loss), the weights from the whole
@@ -52,6 +54,16 @@ from trainbook.scoring import Scorer, call_scorer, load_scorer
 class Prompt(NamedTuple):
     ids: list[int]
     record: PromptRecord  # its prompt as given (what reward functions receive) and its columns
+
+
+class Drawn(NamedTuple):
+    """Completions of some prompts (group after group) and their scores: each function's and the total."""
+
+    prompts: list[Prompt]
+    completions: list
+    texts: list[str]
+    per_fn: list[list[float | None]]
+    rewards: list[float | None]
 
 
 class RolloutBatch(NamedTuple):
@@ -138,10 +150,19 @@ class StepCycle:
             out.append(self.items[int(order[i])])
         return out
 
+    def extra(self, step: int, draw: int) -> list:
+        """This rank's share of more items for step `step` (its refill `draw` >= 1): a seeded
+        choice of distinct items, a pure function of the seed, step, draw and rank."""
+        rng = np.random.default_rng([self.seed, step, draw, self.dp_rank])
+        n = len(self.items)
+        return [self.items[int(i)] for i in rng.choice(n, self.local, replace=self.local > n)]
 
-def completion_seed(seed: int, rollout: int, index: int) -> int:
-    """The generator seed of completion `index` (over all ranks) of rollout `rollout`."""
-    return int(np.random.SeedSequence([seed, rollout, index]).generate_state(1, np.uint64)[0] >> 1)
+
+def completion_seed(seed: int, rollout: int, index: int, draw: int = 0) -> int:
+    """The generator seed of completion `index` (over all ranks) of rollout `rollout`; `draw` > 0:
+    of its refill `draw` (filter_zero_std)."""
+    key = [seed, rollout, index] + ([draw] if draw else [])
+    return int(np.random.SeedSequence(key).generate_state(1, np.uint64)[0] >> 1)
 
 
 class GrpoObjective:
@@ -188,22 +209,18 @@ class GrpoObjective:
 
     def _rollout(self, k: int) -> list[RolloutBatch]:
         cfg, rt = self.cfg, self.rt
-        prompts = self.prompts.take(k)
         G = cfg.group_size
-        first = (k * cfg.prompts_per_step + self.prompts.dp_rank * self.prompts.local) * G
-        seeds = [completion_seed(self.seed, k, first + i) for i in range(len(prompts) * G)]
-        began = time.perf_counter()
-        completions = self.engine.generate([p.ids for p in prompts for _ in range(G)], seeds, self.params)
-        sampled = time.perf_counter()
-        fault_point("grpo.rollout", self._step())  # a kill between sampling and scoring
-        texts = [self.decode(c.ids[:-1] if c.stopped else c.ids) for c in completions]
-        records = [p.record for p in prompts]
+        self._times = dict.fromkeys(("time/rollout_s", "time/reward_s", "time/reference_s"), 0.0)
         known_incidents = len(self.incidents)
-        per_fn = [self._score(r, records, texts) for r in self.rewards]
-        scored_at = time.perf_counter()
-        rewards = rl.total_rewards(per_fn, [r.weight for r in self.rewards])
-
-        everyone = self._gather(rewards)  # every rank's, for batch scaling and the figures
+        drawn = self._draw(k, self.prompts.take(k))
+        everyone = self._gather(drawn.rewards)  # every rank's, for the figures (and batch scaling)
+        self._rollout_figures = self._figures_of(everyone, drawn.per_fn, drawn.completions)
+        if cfg.filter_zero_std:
+            drawn = self._refill(k, drawn)
+            if cfg.scale_rewards == "batch":
+                everyone = self._gather(drawn.rewards)
+        began = time.perf_counter()
+        completions, rewards = drawn.completions, drawn.rewards
         advantages, scored = rl.group_advantages(rewards, G, "none" if cfg.scale_rewards == "batch"
                                                  else cfg.scale_rewards)
         if cfg.scale_rewards == "batch":
@@ -218,7 +235,7 @@ class GrpoObjective:
 
         sequences, masks = [], []
         for j, c in enumerate(completions):
-            prompt = prompts[j // G].ids
+            prompt = drawn.prompts[j // G].ids
             sequences.append(prompt + c.ids)
             masks.append((len(prompt) - 1, len(prompt) - 1 + len(c.ids)) if bool(trains[j]) else (0, 0))
         counts = torch.tensor([float(len(sequences)), float(sum(b - a for a, b in masks))], device=rt.device)
@@ -229,16 +246,63 @@ class GrpoObjective:
             hi = lo + self.micro_batch_size
             micro.append(self._micro_batch(sequences[lo:hi], masks[lo:hi], advantages[lo:hi], total_sequences,
                                            total_tokens))
-        self._times = {"time/rollout_s": sampled - began, "time/reward_s": scored_at - sampled,
-                       "time/reference_s": time.perf_counter() - scored_at}
-        self.last = {"rollout": k, "prompts": [r.prompt for r in records for _ in range(G)], "completions": texts,
-                     "rewards_by_function": {r.name: s for r, s in zip(self.rewards, per_fn)}, "rewards": rewards,
-                     "advantages": advantages.tolist()}
+        self._times["time/reference_s"] = time.perf_counter() - began
+        records = [p.record for p in drawn.prompts]
+        self.last = {"rollout": k, "prompts": [r.prompt for r in records for _ in range(G)], "completions": drawn.texts,
+                     "rewards_by_function": {r.name: s for r, s in zip(self.rewards, drawn.per_fn)},
+                     "rewards": rewards, "advantages": advantages.tolist()}
         errors = self.incidents[known_incidents:]
         if errors and self.on_incident is not None:
             self.on_incident(self._step(), {**self.last, "errors": errors})
-        self._rollout_figures = self._figures_of(everyone, per_fn, completions, total_sequences)
         return micro
+
+    def _draw(self, k: int, prompts: list[Prompt], draw: int = 0) -> Drawn:
+        """`group_size` completions of each of this rank's `prompts`, scored; `draw` > 0: a
+        refill of rollout k (its completions seeded apart from the rollout's own)."""
+        G, P = self.cfg.group_size, self.cfg.prompts_per_step
+        first = ((k if draw == 0 else draw) * P + self.prompts.dp_rank * self.prompts.local) * G
+        seeds = [completion_seed(self.seed, k, first + i, draw) for i in range(len(prompts) * G)]
+        began = time.perf_counter()
+        completions = self.engine.generate([p.ids for p in prompts for _ in range(G)], seeds, self.params)
+        sampled = time.perf_counter()
+        fault_point("grpo.rollout", self._step())  # a kill between sampling and scoring
+        texts = [self.decode(c.ids[:-1] if c.stopped else c.ids) for c in completions]
+        per_fn = [self._score(r, [p.record for p in prompts], texts) for r in self.rewards]
+        self._times["time/rollout_s"] += sampled - began
+        self._times["time/reward_s"] += time.perf_counter() - sampled
+        return Drawn(prompts, completions, texts, per_fn, rl.total_rewards(per_fn, [r.weight for r in self.rewards]))
+
+    def _refill(self, k: int, drawn: Drawn) -> Drawn:
+        """DAPO's dynamic sampling: while any rank has fewer groups whose rewards differ than its
+        share of the rollout, every rank draws its share of prompts again (`StepCycle.extra`)
+        and keeps the groups that differ, up to `filter_max_draws` draws in all. This rank's
+        batch: its first such groups, then, if still short, the first draw's
+        equal-reward groups (which train nothing). Every rank draws as often as the others: a
+        sharded model samples in step."""
+        G, local = self.cfg.group_size, self.prompts.local
+        draws = [drawn]
+        useful = [(0, g) for g, flat in enumerate(rl.zero_std_groups(drawn.rewards, G)) if not flat]
+        while len(draws) < self.cfg.filter_max_draws and self._anyone(len(useful) < local):
+            more = self._draw(k, self.prompts.extra(k, len(draws)), draw=len(draws))
+            useful += [(len(draws), g) for g, flat in enumerate(rl.zero_std_groups(more.rewards, G)) if not flat]
+            draws.append(more)
+        self._rollout_figures["rollout/draws"] = len(draws)
+        flat = [(0, g) for g, f in enumerate(rl.zero_std_groups(drawn.rewards, G)) if f]
+        chosen = sorted((useful + flat)[:local])  # in draw order, the first draw's groups where they were
+
+        def pick(field: Callable[[Drawn], list]) -> list:
+            return [x for d, g in chosen for x in field(draws[d])[g * G:(g + 1) * G]]
+
+        return Drawn([draws[d].prompts[g] for d, g in chosen], pick(lambda d: d.completions), pick(lambda d: d.texts),
+                     [[x for d, g in chosen for x in draws[d].per_fn[f][g * G:(g + 1) * G]]
+                      for f in range(len(self.rewards))], pick(lambda d: d.rewards))
+
+    def _anyone(self, flag: bool) -> bool:
+        """Whether `flag` holds on any rank."""
+        if not self.rt.distributed:
+            return flag
+        got = self.rt.all_reduce_mean(torch.tensor(float(flag), device=self.rt.device), over=self.rt.world_size)
+        return got.item() > 0
 
     def _score(self, reward: Reward, records: list[PromptRecord], texts: list[str]) -> list[float | None]:
         G = self.cfg.group_size
@@ -285,8 +349,7 @@ class GrpoObjective:
                 ref = rl.token_logprobs(self.reference(inputs.to(device)), targets.to(device)).cpu()
         return RolloutBatch(inputs, targets, None, None, mask, advantages, weights, old, ref)
 
-    def _figures_of(self, everyone: list[float | None], per_fn: list[list[float | None]], completions,
-                    total_sequences: int) -> dict:
+    def _figures_of(self, everyone: list[float | None], per_fn: list[list[float | None]], completions) -> dict:
         known = [r for r in everyone if r is not None]
         zero = rl.zero_std_groups(everyone, self.cfg.group_size)
         lengths = self._gather([float(len(c.ids)) for c in completions])

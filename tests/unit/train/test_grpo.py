@@ -214,18 +214,43 @@ def test_training_on_a_reward_raises_it_and_on_its_negative_lowers_it():
     assert up > before + 0.25 and down < before - 0.15, (before, up, down)
 
 
-def test_filter_zero_std_trains_no_token_of_a_group_whose_rewards_are_equal():
-    def half_flat(prompts, completions, id, **_):  # prompts with an even id: every completion scores 1
-        shares = low_share(prompts, completions)
-        return [1.0 if i % 2 == 0 else s for i, s in zip(id, shares)]
+def half_flat(prompts, completions, id, **_):  # prompts with an even id: every completion scores 1
+    shares = low_share(prompts, completions)
+    return [1.0 if i % 2 == 0 else s for i, s in zip(id, shares)]
 
-    cfg = CFG.model_copy(update={"filter_zero_std": True})
+
+def test_filter_zero_std_with_one_draw_trains_no_token_of_a_group_whose_rewards_are_equal():
+    cfg = CFG.model_copy(update={"filter_zero_std": True, "filter_max_draws": 1})
     obj = objective(model(), cfg, fn=half_flat)
-    produced = obj.produce(iter(()))
-    micro = [next(produced) for _ in range(math.ceil(cfg.completions / 4))]
+    micro = obj._rollout(0)
     flat = [p.record.columns["id"] % 2 == 0 for p in obj.prompts.take(0)]
     assert any(flat) and not all(flat)
     rows = [(b, i) for b in micro for i in range(b.inputs.shape[0])]
     for j, (b, i) in enumerate(rows):
         assert bool(b.loss_mask[i].any()) != flat[j // 4]
     assert sum(float(b.weights.sum()) for b in micro) == pytest.approx(1.0)
+    assert obj._rollout_figures["rollout/draws"] == 1
+
+
+def test_filter_zero_std_draws_more_prompts_until_every_group_tells_its_completions_apart():
+    """DAPO's dynamic sampling: the equal-reward groups of the rollout's own prompts are replaced
+    by groups of further seeded draws, the same ones on every run; the figures stay the first
+    draw's (what the policy scored on the step's prompts)."""
+    cfg = CFG.model_copy(update={"filter_zero_std": True})
+
+    def rollout():
+        obj = objective(model(), cfg, fn=half_flat)
+        micro = obj._rollout(0)
+        return obj, micro
+
+    obj, micro = rollout()
+    own = [p.record.columns["id"] for p in obj.prompts.take(0)]
+    assert any(i % 2 == 0 for i in own)  # the first draw had equal-reward groups
+    assert obj._rollout_figures["frac_reward_zero_std"] > 0 and obj._rollout_figures["rollout/draws"] > 1
+    assert not any(rl.zero_std_groups(obj.last["rewards"], cfg.group_size))
+    assert obj.last["prompts"] != [p.record.prompt for p in obj.prompts.take(0) for _ in range(cfg.group_size)]
+    assert all(b.loss_mask[i].any() for b in micro for i in range(b.inputs.shape[0]))
+    assert sum(float(b.weights.sum()) for b in micro) == pytest.approx(1.0)
+    assert sum(b.inputs.shape[0] for b in micro) == cfg.completions  # the same work a step
+    again, _ = rollout()
+    assert again.last == obj.last
