@@ -198,11 +198,11 @@ def test_a_healthy_run_fires_no_alert(chain):
 
 
 def test_a_learning_rate_that_wrecks_the_policy_fires_the_rl_alerts(chain, tmp_path):
-    """lr 0.1 (100 times the chain's) with a KL term: within 8 steps the policy moves far from the
+    """lr 0.1 (100 times the chain's) with a KL term: within 10 steps the policy moves far from the
     reference, its samples collapse onto one answer, the reward it gained is lost, and every group
     then scores alike, so nothing trains. Each of the four rules names it."""
     run_dir = tmp_path / "wrecked"
-    done = run_cli("run", str(chain / "grpo.toml"), "optim.lr=0.1", "grpo.kl_coef=0.04", "train.max_steps=8",
+    done = run_cli("run", str(chain / "grpo.toml"), "optim.lr=0.1", "grpo.kl_coef=0.04", "train.max_steps=10",
                    "checkpoint.interval_steps=0", "--run-dir", str(run_dir), cwd=chain, timeout=CHILD_TIMEOUT_S)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     fired = {a["rule"]: a for a in _alerts(run_dir)}

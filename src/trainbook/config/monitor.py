@@ -100,8 +100,9 @@ class AlertsConfig(Section):
     the default `log.every_steps` (10) every 4th logged step keeps the average under 0.1%, and a
     straggler is named after 3 probed intervals (120 steps)."""
     reward_collapse: float = Field(default=0.5, gt=0, le=1)
-    """GRPO: alert when the mean reward of the last 3 logged steps falls below its best such mean
-    by this fraction of the range the run's step rewards have spanned."""
+    """GRPO: alert when the mean reward of the last 3 steps falls below its best such mean by this
+    fraction of the range the run's step rewards have spanned (and by more than the rewards'
+    step-to-step noise explains: monitor/alerts.py)."""
     entropy_collapse: float = Field(default=0.1, gt=0, lt=1)
     """GRPO: alert when the policy's mean entropy a completion token falls below this fraction of
     its value at the run's first logged step."""

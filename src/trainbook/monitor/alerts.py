@@ -22,9 +22,12 @@ Rules (ids are `alerts.rules` values, all on by default):
   keeps any run of n rows within 2 rows per source of the weights, so a correct loader stays within
   `mix_drift` / 2 and is never judged on too few rows.
 - Reinforcement learning (a step record with GRPO's figures, train/grpo.py), judged from the first
-  logged step: `reward_collapse`, the mean reward of the last 3 logged steps below its best such
-  mean by `reward_collapse` of the range the run's rewards have spanned (a policy that unlearns
-  what it was rewarded for: too high a learning rate, a reward it found a way around);
+  step: `reward_collapse`, the mean reward of the last 3 steps below its best such mean by
+  `reward_collapse` of the range the run's rewards have spanned and by more than 5 standard
+  deviations of such a fall under the rewards' step-to-step noise (`step_noise`: a step's reward
+  moves with the prompts it drew, and the best of many noisy 3-step means is a lucky one, so
+  without it a healthy run fires) (a policy that unlearns what it was rewarded for: too high a
+  learning rate, a reward it found a way around);
   `entropy_collapse`, the mean entropy a completion token below `entropy_collapse` of its first
   logged value (every sample becomes the same answer and exploration ends); `kl_blowup`, the mean
   KL to the reference above `kl_blowup`; `zero_std_groups`, every group's rewards equal in
@@ -72,12 +75,24 @@ from trainbook.monitor.sinks import Monitors, Sink
 
 MAD_TO_SIGMA = 1.4826  # MAD of a normal distribution times this is its standard deviation
 RECENT = 3  # steps whose median throughput is compared with the window's
+NOISE_Z = 5  # reward_collapse: a fall beyond this many standard deviations of two RECENT-step means' difference
 STARVED = 0.5  # share of a step a thread waited for a CPU that names contention as the cause of a drop
 STRAGGLER_INTERVALS = 3  # logged steps in a row with the same rank late
 STRAGGLER_MIN_S = 0.005  # lateness below this is timer and scheduler noise on any machine
 STRAGGLER_Z = 3.0  # with 4 ranks or more, the late rank must stand out of the others too
 STRAGGLER_WHERE = {"data": ("data loading", "data"), "compute": ("compute", "forward + backward + optimizer"),
                    "comm": ("communication", "exposed communication")}
+
+
+def step_noise(values: list[float]) -> float:
+    """The noise of one step's value around its trend, robustly: the MAD of successive
+    differences (a trend barely moves it, a jump is one outlier), scaled to a standard deviation
+    of the difference (1.4826) and of one value (/ sqrt 2). 0 with fewer than 3 values."""
+    diffs = [b - a for a, b in zip(values, values[1:])]
+    if len(diffs) < 2:
+        return 0.0
+    mid = statistics.median(diffs)
+    return 1.4826 * statistics.median(abs(d - mid) for d in diffs) / math.sqrt(2)
 
 
 def robust_z(value: float, history: deque[float]) -> tuple[float, float]:
@@ -127,7 +142,7 @@ class AlertRules(Sink):
         self._mix_rows: deque[dict[str, dict]] = deque()  # the newest data_mix records that judge the mixture
         self._best_val: float | None = None
         self._late: tuple[int, int] | None = None  # (rank, logged steps in a row it was the late one)
-        self._rewards: deque[float] = deque(maxlen=RECENT)  # GRPO: the last logged steps' mean rewards
+        self._rewards: deque[float] = deque(maxlen=cfg.window)  # GRPO: the last steps' mean rewards
         self._reward_best: float | None = None  # the best mean of RECENT of them
         self._reward_range: tuple[float, float] | None = None  # the lowest and highest step reward seen
         self._first_entropy: float | None = None
@@ -215,15 +230,18 @@ class AlertRules(Sink):
             lo, hi = self._reward_range or (reward, reward)
             self._reward_range = (min(lo, reward), max(hi, reward))
             self._rewards.append(reward)
-            if len(self._rewards) == RECENT:
-                recent = statistics.mean(self._rewards)
+            if len(self._rewards) >= RECENT:
+                recent = statistics.mean(list(self._rewards)[-RECENT:])
                 best, span = self._reward_best, self._reward_range[1] - self._reward_range[0]
-                if best is not None and span > 0 and recent < best - c.reward_collapse * span:
+                noise = NOISE_Z * step_noise(list(self._rewards)) * math.sqrt(2 / RECENT)
+                margin = max(c.reward_collapse * span, noise)
+                if best is not None and span > 0 and recent < best - margin:
                     self._fire("reward_collapse", recent, step,
-                               f"the mean reward of the last {RECENT} logged steps, {recent:.4g}, fell {best - recent:.4g} "
+                               f"the mean reward of the last {RECENT} steps, {recent:.4g}, fell {best - recent:.4g} "
                                f"below its best {best:.4g} ({(best - recent) / span:.0%} of the range {span:.4g} the "
-                               "run's rewards have spanned): the policy is unlearning what it was rewarded for",
-                               threshold=best - c.reward_collapse * span)
+                               f"run's rewards have spanned, {(best - recent) / noise if noise else math.inf:.1f} times "
+                               f"the {noise:.3g} a {RECENT}-step mean's noise reaches): the policy is unlearning what "
+                               "it was rewarded for", threshold=best - margin)
                 self._reward_best = recent if best is None else max(best, recent)
         entropy = rl.get("entropy")
         if entropy is not None and math.isfinite(entropy):
