@@ -71,6 +71,7 @@ init_from = "run:{tmp / 'sft'}"
 [grpo]
 group_size = 4
 prompts_per_step = 4
+filter_zero_std = false       # the recipe's dynamic sampling: its own test below
 
 [[grpo.reward]]
 function = "myrewards:lengths"

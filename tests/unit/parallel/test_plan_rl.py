@@ -52,8 +52,8 @@ def test_the_recipes_plans_count_the_reference_and_the_cache():
     model = build_model(ModelConfig(name="tiny", vocab_size=264, max_seq_len=128), "meta", seed=0)
     assert row["reference"] == 4 * sum(p.numel() for p in model.parameters())
     m = resolve(ModelConfig(name="tiny"))  # 4 layers, 2 kv heads of 32
-    # 64 completions of up to seq_len 24 positions, each layer's k and v, fp32.
-    assert row["kv_cache"] == 64 * 24 * m.n_layers * 2 * m.n_kv_heads * m.head_dim * 4 == 3 * 2**20
+    # 512 completions (64 prompts x 8) of up to seq_len 24 positions, each layer's k and v, fp32.
+    assert row["kv_cache"] == 512 * 24 * m.n_layers * 2 * m.n_kv_heads * m.head_dim * 4 == 24 * 2**20
     assert row["total"] == row["params"] + row["grads"] + row["optimizer"] + row["reference"] + row["transient"] + \
         max(row["kv_cache"], row["activations"]["none"]["peak"])
     off = json.loads(plan_command(RECIPES / "arith-grpo.toml", [], None, None, True))["memory"]["per_rank"][0]
