@@ -26,7 +26,7 @@ HERE = Path(__file__).resolve().parent
 
 
 def verify(prompts, completions, **_):
-    """CPU-bound: about 3 ms of Python arithmetic a completion."""
+    """CPU-bound: 60,000 steps of Python arithmetic a completion (about 9 ms on one core here)."""
     out = []
     for c in completions:
         acc = 0
