@@ -12,7 +12,7 @@ from pathlib import Path
 
 SRC = Path(__file__).resolve().parents[2] / "src"
 
-LEAVES = {"atomic", "errors", "faults", "phase", "pkgpath", "sizes"}
+LEAVES = {"atomic", "errors", "faults", "phase", "pkgpath", "rewards", "scoring", "sizes"}
 LAYER7 = {"config", "runs"} | LEAVES
 LAYER6 = {"model", "precision"} | LAYER7
 LAYER5 = {"parallel", "checkpoint", "data"} | LAYER6
@@ -20,7 +20,8 @@ LAYER5 = {"parallel", "checkpoint", "data"} | LAYER6
 ALLOWED = {
     "cli": {"commands"},
     "commands": {"train", "monitor", "diagnose"} | LAYER5,
-    "train": {"monitor", "diagnose"} | LAYER5,
+    "train": {"monitor", "diagnose", "reward_pool"} | LAYER5,
+    "reward_pool": {"scoring"},  # what a reward worker imports: no torch
     "monitor": LAYER5,
     "diagnose": {"monitor"} | LAYER5,
     "parallel": {"model", "precision"} | LAYER7,
