@@ -65,6 +65,20 @@ class Drawn(NamedTuple):
     per_fn: list[list[float | None]]
     rewards: list[float | None]
 
+    def group(self, g: int, size: int) -> Drawn:
+        """Group `g` (its prompt and `size` completions) alone."""
+        s = slice(g * size, (g + 1) * size)
+        return Drawn([self.prompts[g]], self.completions[s], self.texts[s], [f[s] for f in self.per_fn],
+                     self.rewards[s])
+
+    @staticmethod
+    def join(parts: list[Drawn]) -> Drawn:
+        """The groups of `parts`, one after another."""
+        def cat(field) -> list:
+            return [x for p in parts for x in field(p)]
+        return Drawn(cat(lambda p: p.prompts), cat(lambda p: p.completions), cat(lambda p: p.texts),
+                     [cat(lambda p, f=f: p.per_fn[f]) for f in range(len(parts[0].per_fn))], cat(lambda p: p.rewards))
+
 
 class RolloutBatch(NamedTuple):
     """A micro-batch of a rollout: `Batch`'s fields (prompt + completion, right-padded; the mask
@@ -280,22 +294,16 @@ class GrpoObjective:
         equal-reward groups (which train nothing). Every rank draws as often as the others: a
         sharded model samples in step."""
         G, local = self.cfg.group_size, self.prompts.local
-        draws = [drawn]
-        useful = [(0, g) for g, flat in enumerate(rl.zero_std_groups(drawn.rewards, G)) if not flat]
+        draws, first_flat = [drawn], rl.zero_std_groups(drawn.rewards, G)
+        useful = [(0, g) for g, flat in enumerate(first_flat) if not flat]
         while len(draws) < self.cfg.filter_max_draws and self._anyone(len(useful) < local):
             more = self._draw(k, self.prompts.extra(k, len(draws)), draw=len(draws))
             useful += [(len(draws), g) for g, flat in enumerate(rl.zero_std_groups(more.rewards, G)) if not flat]
             draws.append(more)
         self._rollout_figures["rollout/draws"] = len(draws)
-        flat = [(0, g) for g, f in enumerate(rl.zero_std_groups(drawn.rewards, G)) if f]
-        chosen = sorted((useful + flat)[:local])  # in draw order, the first draw's groups where they were
-
-        def pick(field: Callable[[Drawn], list]) -> list:
-            return [x for d, g in chosen for x in field(draws[d])[g * G:(g + 1) * G]]
-
-        return Drawn([draws[d].prompts[g] for d, g in chosen], pick(lambda d: d.completions), pick(lambda d: d.texts),
-                     [[x for d, g in chosen for x in draws[d].per_fn[f][g * G:(g + 1) * G]]
-                      for f in range(len(self.rewards))], pick(lambda d: d.rewards))
+        fillers = [(0, g) for g, flat in enumerate(first_flat) if flat]
+        chosen = sorted((useful + fillers)[:local])  # in draw order, the first draw's groups where they were
+        return Drawn.join([draws[d].group(g, G) for d, g in chosen])
 
     def _anyone(self, flag: bool) -> bool:
         """Whether `flag` holds on any rank."""
