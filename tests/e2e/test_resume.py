@@ -155,9 +155,11 @@ def test_sigterm_saves_a_checkpoint_and_exits(setup, tmp_path):
     recipe, _, _ = setup
     run_dir = tmp_path / "run"
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    # Eager: left to auto, a CPU peak probe slowed by a busy machine can make 100000 steps look worth
+    # compiling, and this test then spends a minute compiling (125 s in a loaded suite, 11 s alone).
     proc = subprocess.Popen(
         [sys.executable, "-m", "trainbook", "run", str(recipe), "train.max_steps=100000", "log.every_steps=1",
-         "train.eval_every=0", "--run-dir", str(run_dir)],
+         "train.eval_every=0", "train.compile=false", "--run-dir", str(run_dir)],
         cwd=recipe.parent, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
     )
     metrics = run_dir / "metrics.jsonl"
