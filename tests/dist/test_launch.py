@@ -24,6 +24,8 @@ BAD_LAYOUTS = [  # (arguments, what the one line must say); the debug model: 2 l
     (["parallel.dp_shard=2"], "parallel: pp=1 x dp_replicate=1 x dp_shard=2 x tp=1 = 2 ranks, but the world size is 1"),
     (["parallel.tp=3", "--nproc", "2"], "parallel.dp_shard: the other degrees multiply to 3, which does not divide the world size 2"),
     (["parallel.tp=4", "parallel.dp_shard=1", "--nproc", "4"], "parallel.tp: model.n_kv_heads = 2 is not divisible by tp = 4"),
+    (["model.name=tiny-moe", "parallel.tp=2", "parallel.dp_shard=1", "--nproc", "2"],
+     "parallel.tp: tensor parallel of a mixture of experts (model.n_experts = 8) is not built yet; use tp = 1"),
     (["parallel.pp=2", "parallel.dp_shard=1", "parallel.pp_split=[1, 2]", "--nproc", "2"],
      "parallel.pp_split: [1, 2] must be 2 positive layer counts (one per stage) adding up to model.n_layers = 2"),
     (["parallel.pp=2", "parallel.dp_shard=1", "parallel.pp_microbatches=1", "--nproc", "2"],

@@ -3,7 +3,7 @@ model with overrides, and the weights it starts from."""
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Literal
 
 from pydantic import Field, field_validator
 
@@ -17,7 +17,7 @@ class ModelConfig(Section):
     """A registry name (`trainbook.model.registry`), or `from_hf`: the architecture of `init_from`'s
     config.json; the fields below override its values."""
     init_from: str | None = None
-    """Where the weights start: `hf:PATH`, a Hugging Face directory (Llama, Qwen2/Qwen2.5 or Qwen3),
+    """Where the weights start: `hf:PATH`, a Hugging Face directory (Llama, Qwen2/Qwen2.5, Qwen3 or Qwen3-MoE),
     its config.json the architecture and its tokenizer the run's; or `run:PATH`, a trainbook run
     directory (its newest valid checkpoint) or one of its checkpoints, its config.resolved.toml's
     [model] the architecture, its tokenizer the run's (a trained one read from the run's
@@ -27,7 +27,7 @@ class ModelConfig(Section):
     resize_init: Literal["mean", "normal"] = "mean"
     """Rows added when `vocab_size` exceeds the imported vocabulary: the mean of the existing
     embeddings, or normal(0, init_std)."""
-    family: Literal["llama", "qwen2", "qwen3"] | None = None
+    family: Literal["llama", "qwen2", "qwen3", "qwen3_moe"] | None = None
     """The decoder's family (`trainbook.model.families`): the Hugging Face architecture its
     config.json and weights are read and written as, and the defaults of the options below."""
     dim: int | None = Field(default=None, ge=1)
@@ -58,6 +58,39 @@ class ModelConfig(Section):
     """Share the token embedding with the output head."""
     init_std: float | None = Field(default=None, gt=0)
     """Standard deviation of the normal weight init (output projections scaled by depth)."""
+    # A mixture of experts (`model/moe.py`). Unset on a dense model, every one of them; an MoE
+    # model sets the first three and `model.registry.MOE_DEFAULTS` fills the others.
+    n_experts: int | None = Field(default=None, ge=1)
+    """Routed experts in each MoE layer (HF `num_experts`, DeepSeek-V3 `n_routed_experts`); unset:
+    a dense model, every layer a SwiGLU of `ffn_dim`."""
+    n_experts_per_token: int | None = Field(default=None, ge=1)
+    """Experts each token is routed to (top-k; HF `num_experts_per_tok`); at most `n_experts`."""
+    expert_ffn_dim: int | None = Field(default=None, ge=1)
+    """SwiGLU hidden size of each routed expert (HF `moe_intermediate_size`)."""
+    n_shared_experts: int | None = Field(default=None, ge=0)
+    """Experts every token passes through besides its routed ones, as one SwiGLU of
+    n_shared_experts x expert_ffn_dim (DeepSeek-V3's `n_shared_experts`); 0: none (Qwen3-MoE)."""
+    router_score: Literal["softmax", "sigmoid"] | None = None
+    """How the router turns its logits into scores: a softmax over the experts (Qwen3-MoE) or a
+    sigmoid per expert (DeepSeek-V3)."""
+    router_norm_topk: bool | None = None
+    """Renormalise each token's top-k scores to sum to 1 (HF `norm_topk_prob`)."""
+    router_bias: bool | None = None
+    """A per-expert bias added to the scores to choose experts, not to weight them (DeepSeek-V3's
+    `e_score_correction_bias`, aux-loss-free balancing): a buffer, moved by balancing, not by the
+    optimizer."""
+    router_groups: int | None = Field(default=None, ge=1)
+    """Groups the experts are split into for group-limited routing (DeepSeek-V3 `n_group`); must
+    divide `n_experts`; 1: no groups."""
+    router_topk_groups: int | None = Field(default=None, ge=1)
+    """Groups a token may choose its experts from, the groups whose two best scores sum highest
+    (DeepSeek-V3 `topk_group`); at most `router_groups`."""
+    router_scale: float | None = Field(default=None, gt=0)
+    """Factor on the routed experts' weights (DeepSeek-V3 `routed_scaling_factor`); 1: none."""
+    dense_layers: tuple[Annotated[int, Field(ge=0)], ...] | None = None
+    """The layers of an MoE model that keep a dense SwiGLU of `ffn_dim`, in increasing order
+    (Qwen3-MoE's `mlp_only_layers` and `decoder_sparse_step`, DeepSeek-V3's
+    `first_k_dense_replace` = k: the first k layers); empty: every layer routes."""
 
     @field_validator("init_from")
     @classmethod

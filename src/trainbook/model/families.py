@@ -8,10 +8,19 @@ Hugging Face architecture of the same computation is called. Registry entries
 (`model/hf.py`) writes the family's config. Parameter names are the same in every family
 (`model/hf.py`'s one table): Qwen2 and Qwen3 name their projections, norms and biases as Llama does.
 
+Qwen3-MoE is Qwen3's attention with a mixture of experts in the feed-forward (`model/moe.py`):
+its config.json adds the expert keys (`moe_of_hf_config` reads them, `hf_fields` writes them) and
+its class routes one way only: a softmax over every expert, the top-k optionally renormalised, no
+shared experts, groups, scale or selection bias. DeepSeek-V3 routes as `model/moe.py` can, but
+its attention is multi-head latent attention (MLA), which the decoder does not have: its
+config.json is refused by name (`NOT_YET`).
+
 Sources, transformers 5.x: `models/llama/modeling_llama.py`, `models/qwen2/modeling_qwen2.py`
 (q/k/v biases hard-wired on, none on o_proj), `models/qwen3/modeling_qwen3.py` (`q_norm`/`k_norm`,
 RMSNorm over head_dim of each head before RoPE; `attention_bias` puts a bias on all four
-projections, o_proj included).
+projections, o_proj included), `models/qwen3_moe/configuration_qwen3_moe.py` and
+`modeling_qwen3_moe.py` (`Qwen3MoeDecoderLayer`: a layer routes unless it is in `mlp_only_layers`
+or (i + 1) % `decoder_sparse_step` != 0; no head_dim default: hidden_size / heads).
 """
 
 from __future__ import annotations
@@ -47,6 +56,8 @@ class Family:
     """The config.json switches the class reads that the decoder cannot follow when on:
     `attention_bias` (biases on all four projections), `mlp_bias`, `use_sliding_window`. Import
     refuses them on; export writes them off."""
+    moe: bool = False
+    """The class's feed-forward is a mixture of experts (Qwen3-MoE's config.json keys)."""
 
     def defaults(self, dim: int, n_heads: int) -> dict:
         """The option fields a config that does not set them gets."""
@@ -67,10 +78,20 @@ FAMILIES: dict[str, Family] = {
                max_position_embeddings=32768, num_key_value_heads=32,
                reads=frozenset({"attention_bias", "use_sliding_window"}),
                source="transformers/models/qwen3/modeling_qwen3.py"),
+        Family("qwen3_moe", "Qwen3MoeForCausalLM", "qwen3_moe", qkv_bias=False, qk_norm=True, head_dim=None,
+               max_position_embeddings=32768, num_key_value_heads=4,
+               reads=frozenset({"attention_bias", "use_sliding_window"}), moe=True,
+               source="transformers/models/qwen3_moe/modeling_qwen3_moe.py"),
     )
 }
 DEFAULT = "llama"
 """The family of a config that names none (every recipe and checkpoint from before families)."""
+NOT_YET = {
+    "DeepseekV3ForCausalLM": "DeepSeek-V3's multi-head latent attention (MLA) is not supported yet (its "
+                             "routing is: router_score = \"sigmoid\", router_bias, router_groups)",
+}
+"""Architectures trainbook knows but cannot import yet -> why, in one line."""
+_NOT_YET_TYPES = {"deepseek_v3": "DeepseekV3ForCausalLM"}
 
 
 def family(name: str | None) -> Family:
@@ -110,6 +131,9 @@ def of_hf_config(config: dict, where: str) -> Family:
                              where=where)
     by_arch = {f.architecture: f for f in FAMILIES.values()}
     by_type = {f.model_type: f for f in FAMILIES.values()}
+    for arch in [*archs, _NOT_YET_TYPES.get(model_type)]:
+        if arch in NOT_YET:
+            raise TrainbookError(f"{arch}: {NOT_YET[arch]}", where=where)
     found = {by_arch.get(a) for a in archs} if archs else {by_type.get(model_type)}
     if None in found or len(found) != 1:
         other = next((a for a in archs if a not in by_arch), None) or model_type
@@ -176,8 +200,71 @@ def hf_fields(fam: Family, cfg) -> dict:
             "which no Hugging Face class of its family computes",
             where="model.family",
         )
+    if fam.moe and cfg.n_experts is None:
+        raise TrainbookError(f"{fam.architecture} is a mixture of experts; this model sets no n_experts",
+                             where="model.n_experts")
+    if not fam.moe and cfg.n_experts is not None:
+        raise TrainbookError(f"{fam.architecture} has a dense feed-forward; this model has n_experts={cfg.n_experts} "
+                             "(family qwen3_moe writes Qwen3MoeForCausalLM)", where="model.family")
     out = {"architectures": [fam.architecture], "model_type": fam.model_type, "head_dim": cfg.head_dim}
     out |= {key: False for key in sorted(fam.reads)}
     if "use_sliding_window" in fam.reads:
         out |= {"sliding_window": None, "max_window_layers": cfg.n_layers}
+    if fam.moe:
+        out |= _qwen3_moe_fields(fam, cfg)
     return out
+
+
+# The routing Qwen3MoeForCausalLM computes: a softmax over every expert, nothing else.
+_QWEN3_MOE_ROUTER = {"router_score": "softmax", "n_shared_experts": 0, "router_bias": False, "router_groups": 1,
+                     "router_topk_groups": 1, "router_scale": 1.0}  # fmt: skip
+
+
+def _qwen3_moe_fields(fam: Family, cfg) -> dict:
+    other = {k: getattr(cfg, k) for k, v in _QWEN3_MOE_ROUTER.items() if getattr(cfg, k) != v}
+    if other:
+        said = ", ".join(f"{k}={v!r}" if isinstance(v, str) else f"{k}={str(v).lower()}" for k, v in other.items())
+        raise TrainbookError(f"{fam.architecture} routes by a softmax over every expert, with no shared experts, "
+                             f"groups, scale or selection bias; this model has {said}",
+                             where=f"model.{next(iter(other))}")
+    return {"num_experts": cfg.n_experts, "num_experts_per_tok": cfg.n_experts_per_token,
+            "moe_intermediate_size": cfg.expert_ffn_dim, "norm_topk_prob": cfg.router_norm_topk,
+            "decoder_sparse_step": 1, "mlp_only_layers": list(cfg.dense_layers), "output_router_logits": False}
+
+
+def moe_of_hf_config(config: dict, n_layers, where: str) -> dict:
+    """The MoE fields of Qwen3-MoE `config` (a parsed config.json of `n_layers` layers), its keys
+    left out taking Qwen3MoeConfig's defaults; a one-line error where it routes nowhere.
+
+    transformers 5 writes the expert count as `num_local_experts` (an alias), the released models
+    and transformers 4.x as `num_experts`. A layer is dense where Qwen3MoeDecoderLayer makes it so:
+    in `mlp_only_layers` (entries beyond the layers name none, as there), or (i + 1) %
+    `decoder_sparse_step` != 0.
+    """
+    given = {key for key in ("num_experts", "num_local_experts") if config.get(key) is not None}
+    if len(given) == 2 and config["num_experts"] != config["num_local_experts"]:
+        raise TrainbookError(f"num_experts={config['num_experts']} and num_local_experts={config['num_local_experts']} "
+                             "disagree (transformers reads both as the one expert count)", where=where)
+    experts = config[given.pop()] if given else 128
+    if experts == 0:
+        raise TrainbookError("num_experts=0: every layer is dense; trainbook imports a Qwen3-MoE with experts",
+                             where=where)
+    step = _or_default(config, "decoder_sparse_step", 1)
+    if not isinstance(step, int) or isinstance(step, bool) or step < 1:
+        raise TrainbookError(f"'decoder_sparse_step': not a positive integer (got {step!r})", where=where)
+    only = config.get("mlp_only_layers") or []
+    if not isinstance(only, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in only):
+        raise TrainbookError(f"'mlp_only_layers': not a list of layer numbers (got {only!r})", where=where)
+    layers = range(n_layers) if isinstance(n_layers, int) else range(0)  # a bad count: ModelConfig names it
+    return {
+        "n_experts": experts,
+        "n_experts_per_token": _or_default(config, "num_experts_per_tok", 8),
+        "expert_ffn_dim": _or_default(config, "moe_intermediate_size", 768),
+        "router_norm_topk": _or_default(config, "norm_topk_prob", False),
+        "dense_layers": tuple(i for i in layers if i in only or (i + 1) % step),
+        **_QWEN3_MOE_ROUTER,
+    }
+
+
+def _or_default(config: dict, key: str, default):
+    return default if config.get(key) is None else config[key]

@@ -1,15 +1,22 @@
-"""Trainbook's decoder <-> Hugging Face `LlamaForCausalLM`, `Qwen2ForCausalLM`, `Qwen3ForCausalLM`:
-names, `config.json`, weights.
+"""Trainbook's decoder <-> Hugging Face `LlamaForCausalLM`, `Qwen2ForCausalLM`, `Qwen3ForCausalLM`,
+`Qwen3MoeForCausalLM`: names, `config.json`, weights.
 
 One table maps every parameter name, the same in every family (Qwen2's q/k/v biases and Qwen3's
-q/k norms sit where Llama's projections do); `to_hf_name` and `from_hf_name` read it in either
-direction. The family (`model/families.py`) decides the rest of config.json.
+q/k norms sit where Llama's projections do, an MoE layer's router and shared experts where the
+dense SwiGLU does); `to_hf_name` and `from_hf_name` read it in either direction. The family
+(`model/families.py`) decides the rest of config.json.
 No tensor needs changing on the way: trainbook's RoPE already uses HF's half-split ("rotate_half")
 channel layout, so wq/wk are not permuted, and both store `nn.Linear` weights as (out, in).
 
-The one structural difference is tied embeddings: trainbook's state dict names the shared matrix
-twice (`tok_embeddings.weight`, `output.weight`), HF's once (`model.embed_tokens.weight`, no
-`lm_head.weight`, `tie_word_embeddings: true`). `to_hf_state_dict` drops the second name.
+Two structural differences:
+- tied embeddings: trainbook's state dict names the shared matrix twice (`tok_embeddings.weight`,
+  `output.weight`), HF's once (`model.embed_tokens.weight`, no `lm_head.weight`,
+  `tie_word_embeddings: true`). `to_hf_state_dict` drops the second name.
+- experts: trainbook stacks a layer's experts into one tensor per projection
+  (`layers.<i>.feed_forward.experts.w1`, row e expert e), HF's files hold one tensor per expert
+  (`model.layers.<i>.mlp.experts.<e>.gate_proj.weight`), which is what transformers 5's
+  `save_pretrained` writes and `from_pretrained` reads though its model fuses them in memory
+  (`experts.gate_up_proj`). `expert_names` gives the rows' names.
 
 Import (`model.init_from = "hf:PATH"`) reads the same table: see `model/hf_import.py`.
 """
@@ -46,6 +53,17 @@ _BLOCK = {
     "feed_forward.w1.weight": "mlp.gate_proj.weight",
     "feed_forward.w3.weight": "mlp.up_proj.weight",
     "feed_forward.w2.weight": "mlp.down_proj.weight",
+    "feed_forward.router.gate.weight": "mlp.gate.weight",  # an MoE layer (Qwen3-MoE, DeepSeek-V3)
+    "feed_forward.router.expert_bias": "mlp.gate.e_score_correction_bias",  # DeepSeek-V3
+    "feed_forward.shared.w1.weight": "mlp.shared_experts.gate_proj.weight",  # DeepSeek-V3
+    "feed_forward.shared.w3.weight": "mlp.shared_experts.up_proj.weight",
+    "feed_forward.shared.w2.weight": "mlp.shared_experts.down_proj.weight",
+}
+# trainbook `layers.<i>.` suffix of a stacked expert weight -> HF suffix of expert e's row.
+_EXPERTS = {
+    "feed_forward.experts.w1": "mlp.experts.{e}.gate_proj.weight",
+    "feed_forward.experts.w3": "mlp.experts.{e}.up_proj.weight",
+    "feed_forward.experts.w2": "mlp.experts.{e}.down_proj.weight",
 }
 _TOP_BACK = {hf: ours for ours, hf in _TOP.items()}
 _BLOCK_BACK = {hf: ours for ours, hf in _BLOCK.items()}
@@ -58,14 +76,25 @@ _HF_DTYPE = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16
 
 
 def to_hf_name(name: str) -> str:
-    """The Hugging Face name of trainbook parameter `name`; KeyError if it has none."""
+    """The Hugging Face name of trainbook parameter `name`; KeyError if it has none (a stacked
+    expert weight has one per expert: `expert_names`)."""
     return _rename(name, _TOP, _BLOCK, _OURS_BLOCK, "model.layers.")
 
 
 def from_hf_name(name: str) -> str:
     """The trainbook name of Hugging Face parameter `name`; KeyError if it has none
-    (e.g. `rotary_emb.inv_freq`, which old HF checkpoints saved and trainbook derives)."""
+    (e.g. `rotary_emb.inv_freq`, which old HF checkpoints saved and trainbook derives, or one
+    expert's weight, a row of a trainbook tensor: `expert_names`)."""
     return _rename(name, _TOP_BACK, _BLOCK_BACK, _HF_BLOCK, "layers.")
+
+
+def expert_names(name: str, n_experts: int) -> list[str] | None:
+    """The Hugging Face names of the rows of trainbook's stacked expert weight `name` (row e ->
+    element e), or None when `name` is not one."""
+    m = _OURS_BLOCK.fullmatch(name)
+    if m is None or m.group(2) not in _EXPERTS:
+        return None
+    return [f"model.layers.{m.group(1)}.{_EXPERTS[m.group(2)].format(e=e)}" for e in range(n_experts)]
 
 
 def _rename(name: str, top: dict, block: dict, block_re: re.Pattern, block_prefix: str) -> str:
@@ -79,8 +108,18 @@ def _rename(name: str, top: dict, block: dict, block_re: re.Pattern, block_prefi
 
 def to_hf_state_dict(state: dict[str, torch.Tensor], tied: bool) -> dict[str, torch.Tensor]:
     """A trainbook model state dict under HF names; `output.weight` left out when `tied` (HF
-    re-ties `lm_head` to the embedding from `tie_word_embeddings`)."""
-    return {to_hf_name(k): v for k, v in state.items() if not (tied and k == "output.weight")}
+    re-ties `lm_head` to the embedding from `tie_word_embeddings`), stacked expert weights split
+    into one tensor per expert (copies: safetensors stores no two views of one storage)."""
+    out = {}
+    for k, v in state.items():
+        if tied and k == "output.weight":
+            continue
+        rows = expert_names(k, v.shape[0])
+        if rows is None:
+            out[to_hf_name(k)] = v
+        else:
+            out |= {hf: v[e].clone() for e, hf in enumerate(rows)}
+    return out
 
 
 def hf_config(

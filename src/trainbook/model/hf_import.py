@@ -1,5 +1,6 @@
 """Import a Hugging Face model directory (`model.init_from = "hf:PATH"`), as `save_pretrained` writes
-it: a Llama, Qwen2/Qwen2.5 or Qwen3 (`model/families.py` says which by config.json's architecture).
+it: a Llama, Qwen2/Qwen2.5, Qwen3 or Qwen3-MoE (`model/families.py` says which by config.json's
+architecture).
 
 - `model_config_from_hf`: `config.json` -> a complete ModelConfig named "from_hf", or a one-line
   error naming what trainbook cannot run (another architecture, scaled RoPE, an o_proj bias, ...);
@@ -7,7 +8,8 @@ it: a Llama, Qwen2/Qwen2.5 or Qwen3 (`model/families.py` says which by config.js
 - `load_hf_weights`: `model.safetensors` or an index and its shards -> a built model's parameters,
   one tensor at a time (see there for the memory this costs); never unpickles anything;
 (The directory's tokenizer is read by `data/tokenizer/hf_dir.py`.)
-Names map through the table in `model/hf.py`.
+Names map through the table in `model/hf.py`; a stacked expert weight is read row by row, one
+file tensor per expert (`model.hf.expert_names`).
 """
 
 from __future__ import annotations
@@ -25,8 +27,8 @@ from safetensors import safe_open
 from trainbook.config.model import ModelConfig
 from trainbook.errors import TrainbookError, one_line
 from trainbook.model import families
-from trainbook.model.hf import to_hf_name
-from trainbook.model.registry import FROM_HF, is_resolved, resolve
+from trainbook.model.hf import expert_names, to_hf_name
+from trainbook.model.registry import FROM_HF, MOE_FIELDS, is_resolved, resolve
 
 if TYPE_CHECKING:
     from trainbook.model.llama import Llama
@@ -50,7 +52,11 @@ _FROM_CONFIG = {
 _HF_KEY = {f: key for f, (key, _) in _FROM_CONFIG.items()} | {
     "n_kv_heads": "num_key_value_heads", "rope_theta": "rope_theta", "head_dim": "head_dim",
     "max_seq_len": "max_position_embeddings", "family": "architectures", "qkv_bias": "architectures",
-    "qk_norm": "architectures",
+    "qk_norm": "architectures", "n_experts": "num_experts", "n_experts_per_token": "num_experts_per_tok",
+    "expert_ffn_dim": "moe_intermediate_size", "router_norm_topk": "norm_topk_prob",
+    "dense_layers": "mlp_only_layers", "n_shared_experts": "architectures", "router_score": "architectures",
+    "router_bias": "architectures", "router_groups": "architectures", "router_topk_groups": "architectures",
+    "router_scale": "architectures",
 }  # fmt: skip
 
 
@@ -105,6 +111,8 @@ def model_config_from_hf(path: Path) -> ModelConfig:
     values["rope_theta"] = families.rope_theta(config)
     values["max_seq_len"] = config.get("max_position_embeddings") or fam.max_position_embeddings
     values |= {"family": fam.name, **_options(fam, config, values)}
+    if fam.moe:
+        values |= families.moe_of_hf_config(config, values["n_layers"], where)
     try:
         cfg = ModelConfig(name=FROM_HF, **values)
     except ValidationError as e:
@@ -144,12 +152,15 @@ def _check_heads(cfg: ModelConfig, config: dict, where: str) -> None:
         raise TrainbookError(why, where=where)
     if cfg.head_dim % 2:
         raise TrainbookError(f"head_dim={cfg.head_dim} is odd; RoPE needs an even head_dim", where=where)
+    if cfg.n_experts is not None and cfg.n_experts_per_token > cfg.n_experts:
+        why = f"num_experts_per_tok={cfg.n_experts_per_token} is more than num_experts={cfg.n_experts}"
+        raise TrainbookError(why, where=where)
 
 
 # Fields whose difference changes what the imported weights compute (shapes, RoPE base, norm
 # epsilon, tying). max_seq_len and init_std are the recipe's to choose.
 _SAME_AS_IMPORTED = ("family", "dim", "n_layers", "n_heads", "n_kv_heads", "head_dim", "qkv_bias", "qk_norm",
-                     "ffn_dim", "norm_eps", "rope_theta", "tie_embeddings")  # fmt: skip
+                     "ffn_dim", "norm_eps", "rope_theta", "tie_embeddings", *MOE_FIELDS)  # fmt: skip
 
 
 def check_against_recipe(hf_cfg: ModelConfig, recipe_cfg: ModelConfig) -> None:
@@ -212,11 +223,10 @@ def load_hf_weights(model: Llama, path: Path) -> None:
     path = Path(path)
     files = _weight_files(path)  # HF name -> the file holding it
     params = dict(model.named_parameters(remove_duplicate=False))
-    sources = _sources(model, params)  # trainbook parameter name -> HF name it is read from
-    _check_names(files, set(sources.values()), model.cfg.tie_embeddings, path)
-    _check_headers(files, sources, params)
-    for name, hf_name in sources.items():
-        dest = params[name]
+    pieces = _sources(model, params)  # (HF name, what it fills, the model's name of that) each
+    _check_names(files, {hf_name for hf_name, _, _ in pieces}, model.cfg.tie_embeddings, path)
+    _check_headers(files, pieces)
+    for hf_name, dest, _ in pieces:
         row_bytes = dest[0].numel() * _MAX_ITEMSIZE
         rows = max(1, _CHUNK_BYTES // row_bytes)
         for start in range(0, dest.shape[0], rows):
@@ -224,17 +234,21 @@ def load_hf_weights(model: Llama, path: Path) -> None:
                 dest[start : start + rows].copy_(f.get_slice(hf_name)[start : start + rows])
 
 
-def _sources(model: Llama, params: dict) -> dict[str, str]:
-    sources = {}
+def _sources(model: Llama, params: dict) -> list[tuple[str, torch.Tensor, str]]:
+    """(HF name, the tensor it is copied into, that tensor's trainbook name) for every tensor the
+    files must hold: a parameter, or for a stacked expert weight each expert's row."""
+    pieces = []
     for name, param in params.items():
         assert not param.is_meta, f"{name} is on the meta device: materialise the model first"
         if name == "output.weight" and model.cfg.tie_embeddings:
             if params.get("tok_embeddings.weight") is param:
                 continue  # the same tensor: read once, as the embedding
-            sources[name] = to_hf_name("tok_embeddings.weight")  # a head untied by hand (to_empty)
+            pieces.append((to_hf_name("tok_embeddings.weight"), param, name))  # a head untied by hand (to_empty)
+        elif (rows := expert_names(name, param.shape[0])) is not None:
+            pieces += [(hf_name, param[e], f"{name}[{e}]") for e, hf_name in enumerate(rows)]
         else:
-            sources[name] = to_hf_name(name)
-    return sources
+            pieces.append((to_hf_name(name), param, name))
+    return pieces
 
 
 def _weight_files(path: Path) -> dict[str, Path]:
@@ -283,18 +297,18 @@ def _check_names(files: dict[str, Path], wanted: set[str], tied: bool, path: Pat
         raise TrainbookError(f"the weights lack {_few(missing)}", where=str(path))
 
 
-def _check_headers(files: dict[str, Path], sources: dict[str, str], params: dict) -> None:
+def _check_headers(files: dict[str, Path], pieces: list[tuple[str, torch.Tensor, str]]) -> None:
     by_file = defaultdict(list)
-    for name, hf_name in sources.items():
-        by_file[files[hf_name]].append((name, hf_name))
-    for file, pairs in by_file.items():
+    for hf_name, dest, name in pieces:
+        by_file[files[hf_name]].append((hf_name, dest, name))
+    for file, named in by_file.items():
         with _open(file) as f:
             present = set(f.keys())
-            for name, hf_name in pairs:
+            for hf_name, dest, name in named:
                 if hf_name not in present:
                     raise TrainbookError(f"no '{hf_name}' here, though the index says so", where=str(file))
                 piece = f.get_slice(hf_name)
-                shape, want = list(piece.get_shape()), list(params[name].shape)
+                shape, want = list(piece.get_shape()), list(dest.shape)
                 if shape != want:
                     why = f"'{hf_name}' has shape {shape} in the weights, the model's '{name}' {want}"
                     raise TrainbookError(why, where=str(file))

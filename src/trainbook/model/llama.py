@@ -1,14 +1,20 @@
 """The decoder of every family trainbook trains: RMSNorm, RoPE, grouped-query attention, SwiGLU.
 
-Llama 3 is the plain form (no biases, head_dim = dim / n_heads). The other dense families are
+Llama 3 is the plain form (no biases, head_dim = dim / n_heads). The other families are
 options of the same class, set by `ModelConfig` (defaults from `model/families.py`): Qwen2.5 adds
 biases to the q/k/v projections (`qkv_bias`), Qwen3 an RMSNorm over each query and key head
-before RoPE (`qk_norm`) and a head_dim of its own (`head_dim`, 128 where dim / n_heads is 64 or 80).
+before RoPE (`qk_norm`) and a head_dim of its own (`head_dim`, 128 where dim / n_heads is 64 or 80),
+Qwen3-MoE a mixture of experts as the feed-forward (`n_experts`, ...: `model/moe.py`) in every
+layer but `dense_layers`.
 
 Conventions that `parallel/`, checkpoints and HF import rely on (keep them stable):
 - module paths: `tok_embeddings`, `layers.<i>.attention.{wq,wk,wv,wo}` (and, with the options,
   `wq/wk/wv.bias`, `layers.<i>.attention.{q_norm,k_norm}`), `layers.<i>.feed_forward.{w1,w2,w3}`,
-  `layers.<i>.{attention_norm,ffn_norm}`, `norm`, `output`;
+  `layers.<i>.{attention_norm,ffn_norm}`, `norm`, `output`; an MoE layer's feed-forward instead
+  `layers.<i>.feed_forward.router.gate` (nn.Linear dim -> n_experts; with `router_bias`, the
+  buffer `router.expert_bias`), `layers.<i>.feed_forward.experts.{w1,w2,w3}` (parameters,
+  experts stacked on dim 0: w1/w3 (n_experts, expert_ffn_dim, dim), w2 (n_experts, dim,
+  expert_ffn_dim)) and, with shared experts, `layers.<i>.feed_forward.shared.{w1,w2,w3}`;
 - blocks live in an `nn.ModuleDict` keyed "0".."N-1", so a pipeline stage can delete some and
   `forward` runs whichever remain (a stage may also set `tok_embeddings`/`norm`/`output` to None);
 - head counts are never read from the config in `forward` (reshapes use -1), so tensor parallel
@@ -32,6 +38,7 @@ from trainbook.config.model import ModelConfig
 from trainbook.errors import TrainbookError
 from trainbook.model.kv_cache import KVCache, LayerCache
 from trainbook.model.loss import ChunkedLoss, full_cross_entropy, linear_cross_entropy
+from trainbook.model.moe import MoE, is_moe_layer
 from trainbook.model.registry import is_resolved, resolve
 
 
@@ -40,8 +47,11 @@ class Llama(nn.Module):
         super().__init__()
         assert is_resolved(cfg), "Llama needs a resolved ModelConfig (model.registry.resolve)"
         self.cfg = cfg
-        self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.dim)
-        self.layers = nn.ModuleDict({str(i): Block(cfg) for i in range(cfg.n_layers)})
+        # Given its (uninitialised) weight, nn.Embedding skips its own normal_ init: on the meta
+        # device that op runs a Python decomposition whose first call imports torch._dynamo (1.3 s
+        # of CPU in every process that only counts a model: the launcher, `plan`). init_weights fills it.
+        self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.dim, _weight=torch.empty(cfg.vocab_size, cfg.dim))
+        self.layers = nn.ModuleDict({str(i): Block(cfg, i) for i in range(cfg.n_layers)})
         self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.output = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
         self.tie_weights()
@@ -72,9 +82,10 @@ class Llama(nn.Module):
     def init_weights(self) -> None:
         """Fill every parameter and the RoPE tables; deterministic given torch's RNG state.
 
-        normal(0, init_std) for embeddings and input projections; the projections that write into
-        the residual stream (wo, w2) are scaled down by 1/sqrt(2 * n_layers) so its variance does
-        not grow with depth (GPT-2); norm gains 1.
+        normal(0, init_std) for embeddings and input projections (routers and experts' w1/w3
+        included); the projections that write into the residual stream (wo, w2, experts' w2) are
+        scaled down by 1/sqrt(2 * n_layers) so its variance does not grow with depth (GPT-2); norm
+        gains 1; a router's selection bias 0.
         """
         std = self.cfg.init_std
         out_std = std / math.sqrt(2 * self.cfg.n_layers)
@@ -163,14 +174,23 @@ def document_mask(positions: torch.Tensor) -> torch.Tensor:
 
 
 class Block(nn.Module):
-    """Pre-norm residual block: h + attention(norm(h)), then h + feed_forward(norm(h))."""
+    """Pre-norm residual block: h + attention(norm(h)), then h + feed_forward(norm(h)).
 
-    def __init__(self, cfg: ModelConfig):
+    The feed-forward of block `layer` is a SwiGLU of ffn_dim, or in an MoE model (`n_experts`) a
+    mixture of experts (`model/moe.py`) unless the layer is one of `dense_layers`.
+    """
+
+    def __init__(self, cfg: ModelConfig, layer: int):
         super().__init__()
         self.attention_norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.attention = Attention(cfg)
         self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
-        self.feed_forward = FeedForward(cfg.dim, cfg.ffn_dim)
+        self.feed_forward: FeedForward | MoE
+        if is_moe_layer(cfg, layer):
+            shared = FeedForward(cfg.dim, cfg.n_shared_experts * cfg.expert_ffn_dim) if cfg.n_shared_experts else None
+            self.feed_forward = MoE(cfg, shared)
+        else:
+            self.feed_forward = FeedForward(cfg.dim, cfg.ffn_dim)
 
     def init_weights(self, std: float, out_std: float) -> None:
         self.attention_norm.reset_parameters()

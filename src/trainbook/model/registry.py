@@ -2,9 +2,11 @@
 
 Each entry is a plain table of the architecture fields of `ModelConfig`, citing where its numbers
 come from; it names its `family` (`model/families.py`) and may leave that family's options
-(`head_dim`, `qkv_bias`, `qk_norm`) to its defaults. A recipe names an entry (`model.name = "tiny"`) and may override any field
-(`model.n_layers = 2`); `resolve` merges the two and checks the shapes fit together, once, so the
-model code can trust its config.
+(`head_dim`, `qkv_bias`, `qk_norm`) to its defaults. A mixture of experts sets `n_experts`,
+`n_experts_per_token` and `expert_ffn_dim` and may leave the other MoE fields to `MOE_DEFAULTS`;
+a dense entry sets none of them. A recipe names an entry (`model.name = "tiny"`) and may override
+any field (`model.n_layers = 2`); `resolve` merges the two and checks the shapes fit together,
+once, so the model code can trust its config.
 
 Llama 3.1 and 3.2 checkpoints stretch RoPE to 128K tokens with `rope_scaling` ("llama3" frequency
 scaling). That is out of scope here: RoPE is unscaled, so the Llama entries cover the 8192-token
@@ -24,6 +26,15 @@ from trainbook.model.families import family
 ARCH_FIELDS = tuple(f for f in ModelConfig.model_fields if f not in ("name", "init_from", "resize_init"))
 # The fields an entry (or a config.json) may leave to its family's defaults.
 OPTIONS = ("family", "head_dim", "qkv_bias", "qk_norm")
+# The mixture-of-experts fields: all unset on a dense model (`model/moe.py`).
+MOE_FIELDS = ("n_experts", "n_experts_per_token", "expert_ffn_dim", "n_shared_experts", "router_score",
+              "router_norm_topk", "router_bias", "router_groups", "router_topk_groups", "router_scale",
+              "dense_layers")  # fmt: skip
+# What an MoE model that does not set them gets: Qwen3-MoE's routing (a softmax over every expert,
+# the top-k renormalised as its released models do), no shared experts, every layer routed.
+MOE_DEFAULTS = {"n_shared_experts": 0, "router_score": "softmax", "router_norm_topk": True, "router_bias": False,
+                "router_groups": 1, "router_topk_groups": 1, "router_scale": 1.0, "dense_layers": ()}  # fmt: skip
+_MOE_REQUIRED = ("n_experts_per_token", "expert_ffn_dim")
 FROM_HF = "from_hf"
 
 # fmt: off
@@ -140,6 +151,24 @@ REGISTRY: dict[str, dict] = {
         dim=128, n_layers=4, n_heads=8, n_kv_heads=2, head_dim=32, ffn_dim=384, vocab_size=2048,
         norm_eps=1e-6, rope_theta=1000000.0, max_seq_len=1024, tie_embeddings=True, init_std=0.02,
     ),
+    # Qwen3-MoE (family qwen3_moe: Qwen3's attention, a routed feed-forward). 128 experts of 768,
+    # 8 per token: 30.5B parameters, 3.3B of them active per token (the model card's figures).
+    "qwen3-30b-a3b": dict(
+        source="https://huggingface.co/Qwen/Qwen3-30B-A3B/blob/main/config.json",
+        family="qwen3_moe",
+        dim=2048, n_layers=48, n_heads=32, n_kv_heads=4, head_dim=128, ffn_dim=6144, vocab_size=151936,
+        norm_eps=1e-6, rope_theta=1000000.0, max_seq_len=40960, tie_embeddings=False, init_std=0.02,
+        n_experts=128, n_experts_per_token=8, expert_ffn_dim=768, router_norm_topk=True, dense_layers=(),
+    ),
+    # A CPU-sized Qwen3-MoE (ours, 1.9M parameters, 1.0M active per token): 8 experts of 128, 2 per token,
+    # and layer 0 dense (as DeepSeek-V3 keeps its first layers), so both feed-forwards are trained.
+    "tiny-moe": dict(
+        source="trainbook (original; Qwen3-MoE architecture scaled down)",
+        family="qwen3_moe",
+        dim=128, n_layers=4, n_heads=8, n_kv_heads=2, head_dim=32, ffn_dim=384, vocab_size=2048,
+        norm_eps=1e-6, rope_theta=1000000.0, max_seq_len=1024, tie_embeddings=True, init_std=0.02,
+        n_experts=8, n_experts_per_token=2, expert_ffn_dim=128, router_norm_topk=True, dense_layers=(0,),
+    ),
 }
 # fmt: on
 
@@ -163,7 +192,7 @@ def resolve(cfg: ModelConfig) -> ModelConfig:
     """
     given = {k: v for k, v in cfg.model_dump(include=set(ARCH_FIELDS)).items() if v is not None}
     if cfg.name == FROM_HF:
-        if any(given.get(k) is None for k in ARCH_FIELDS if k not in OPTIONS):
+        if any(given.get(k) is None for k in ARCH_FIELDS if k not in OPTIONS + MOE_FIELDS):
             raise TrainbookError("the architecture comes from model.init_from's config.json; set init_from = "
                                  "\"hf:PATH\"", where="model.name")
         entry, overrides = {}, {}
@@ -173,14 +202,19 @@ def resolve(cfg: ModelConfig) -> ModelConfig:
     fam = family(values.get("family"))
     values |= {k: v for k, v in fam.defaults(values["dim"], values["n_heads"]).items() if k not in values}
     values["family"] = fam.name
+    if values.get("n_experts") is not None:
+        values |= {k: v for k, v in MOE_DEFAULTS.items() if k not in values}
     resolved = ModelConfig(name=cfg.name, init_from=cfg.init_from, resize_init=cfg.resize_init, **values)
     _check_shapes(resolved, overridden=set(overrides), derived_head_dim="head_dim" not in entry | given)
+    _check_experts(resolved, overridden=set(overrides))
     return resolved
 
 
 def is_resolved(cfg: ModelConfig) -> bool:
-    """True when every architecture field is set (the model code needs no registry look-up)."""
-    return all(getattr(cfg, k) is not None for k in ARCH_FIELDS)
+    """True when every architecture field is set (the model code needs no registry look-up): the
+    MoE fields all of them on a mixture of experts, none needed on a dense model."""
+    needed = [k for k in ARCH_FIELDS if k not in MOE_FIELDS or cfg.n_experts is not None]
+    return all(getattr(cfg, k) is not None for k in needed)
 
 
 def _known(name: str) -> str:
@@ -193,11 +227,15 @@ def _known(name: str) -> str:
     )
 
 
-def _check_shapes(cfg: ModelConfig, overridden: set[str], derived_head_dim: bool) -> None:
+def _blame(overridden: set[str], *keys: str) -> str:
     # A shape error involves two keys; blame the one the recipe set, since the registry's own
-    # values are consistent (a unit test checks that), else the second one.
+    # values are consistent (a unit test checks that), else the last one.
+    return "model." + next((k for k in keys if k in overridden), keys[-1])
+
+
+def _check_shapes(cfg: ModelConfig, overridden: set[str], derived_head_dim: bool) -> None:
     def blame(*keys: str) -> str:
-        return "model." + next((k for k in keys if k in overridden), keys[-1])
+        return _blame(overridden, *keys)
 
     if derived_head_dim and cfg.dim % cfg.n_heads:
         raise TrainbookError(
@@ -217,3 +255,42 @@ def _check_shapes(cfg: ModelConfig, overridden: set[str], derived_head_dim: bool
             f"head_dim = {how}{cfg.head_dim} is odd; RoPE needs an even head_dim",
             where=blame("dim", "n_heads") if derived_head_dim else "model.head_dim",
         )
+
+
+def _check_experts(cfg: ModelConfig, overridden: set[str]) -> None:
+    """The MoE fields fit together (`model/moe.py`'s router can route with them), or none is set."""
+    if cfg.n_experts is None:
+        stray = next((k for k in MOE_FIELDS if getattr(cfg, k) is not None), None)
+        if stray is not None:
+            raise TrainbookError(f"{stray} is set but n_experts is not: a dense model has no experts "
+                                 "(set n_experts to make it a mixture of experts)", where=f"model.{stray}")
+        return
+    for key in _MOE_REQUIRED:
+        if getattr(cfg, key) is None:
+            raise TrainbookError(f"a mixture of experts (n_experts={cfg.n_experts}) needs {key}", where=f"model.{key}")
+    experts, k, groups, topk_groups = cfg.n_experts, cfg.n_experts_per_token, cfg.router_groups, cfg.router_topk_groups
+    if k > experts:
+        raise TrainbookError(f"n_experts_per_token={k} is more than n_experts={experts}",
+                             where=_blame(overridden, "n_experts_per_token", "n_experts"))
+    if experts % groups:
+        raise TrainbookError(f"router_groups={groups} does not divide n_experts={experts}",
+                             where=_blame(overridden, "router_groups", "n_experts"))
+    if topk_groups > groups:
+        raise TrainbookError(f"router_topk_groups={topk_groups} is more than router_groups={groups}",
+                             where=_blame(overridden, "router_topk_groups", "router_groups"))
+    per_group = experts // groups
+    if groups > 1 and per_group < 2:
+        raise TrainbookError(f"router_groups={groups} leaves {per_group} expert per group; group-limited routing "
+                             "ranks a group by its two best experts",
+                             where=_blame(overridden, "router_groups", "n_experts"))
+    if k > topk_groups * per_group:
+        raise TrainbookError(f"n_experts_per_token={k} is more than the {topk_groups * per_group} experts of the "
+                             f"router_topk_groups={topk_groups} groups a token may choose from",
+                             where=_blame(overridden, "n_experts_per_token", "router_topk_groups"))
+    layers = cfg.dense_layers
+    if any(i >= cfg.n_layers for i in layers):
+        raise TrainbookError(f"dense_layers={list(layers)} names a layer beyond n_layers={cfg.n_layers}",
+                             where=_blame(overridden, "n_layers", "dense_layers"))
+    if list(layers) != sorted(set(layers)):
+        raise TrainbookError(f"dense_layers={list(layers)} is not in increasing order without repeats",
+                             where="model.dense_layers")

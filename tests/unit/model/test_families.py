@@ -49,6 +49,20 @@ def test_every_qwen_entry_has_its_published_parameter_count(name):
     assert _card_figure((c.total - vocab_matrices) / 1e9, card_non_embedding)
 
 
+def test_qwen3_30b_a3b_has_its_published_parameter_counts():
+    """Exactly model.safetensors.index.json's `total_size` / 2 (61,064,245,248 bf16 bytes), and
+    the model card's 30.5B parameters, 3.3B activated, 29.9B non-embedding. Active per token:
+    attention, norms, the router and 8 of the 128 experts in each of the 48 layers, and both
+    151,936 x 2048 vocabulary matrices (untied)."""
+    c = count(ModelConfig(name="qwen3-30b-a3b"))
+    cfg = resolve(ModelConfig(name="qwen3-30b-a3b"))
+    assert c.total == 30_532_122_624 and c.active == 3_353_032_704
+    assert _card_figure(c.total / 1e9, 30.5) and _card_figure(c.active / 1e9, 3.3)
+    assert _card_figure((c.total - 2 * cfg.vocab_size * cfg.dim) / 1e9, 29.9)
+    experts = cfg.n_layers * cfg.n_experts * 3 * cfg.dim * cfg.expert_ffn_dim
+    assert c.total - c.active == experts * (cfg.n_experts - cfg.n_experts_per_token) // cfg.n_experts
+
+
 def test_the_registry_has_the_families_entries():
     for name in PUBLISHED:
         assert name in names() and REGISTRY[name]["family"] in FAMILIES

@@ -6,7 +6,7 @@ from trainbook.config.model import ModelConfig
 from trainbook.errors import TrainbookError
 from trainbook.model import names, resolve
 from trainbook.model.families import FAMILIES
-from trainbook.model.registry import OPTIONS, REGISTRY, is_resolved, source
+from trainbook.model.registry import MOE_DEFAULTS, MOE_FIELDS, OPTIONS, REGISTRY, is_resolved, source
 
 ARCH_FIELDS = [f for f in ModelConfig.model_fields if f not in ("name", "init_from", "resize_init")]
 
@@ -21,7 +21,9 @@ def test_names_list_every_entry():
 @pytest.mark.parametrize("name", list(REGISTRY))
 def test_every_entry_is_complete_cited_and_valid(name):
     entry = REGISTRY[name]
-    required = {"source", "family", *(k for k in ARCH_FIELDS if k not in OPTIONS)}
+    required = {"source", "family", *(k for k in ARCH_FIELDS if k not in OPTIONS + MOE_FIELDS)}
+    if "n_experts" in entry:  # a mixture of experts: the MoE fields but those with defaults
+        required |= {k for k in MOE_FIELDS if k not in MOE_DEFAULTS}
     assert required <= set(entry) <= {"source", *ARCH_FIELDS}, "every field but the family's options, nothing else"
     assert source(name)
     cfg = resolve(ModelConfig(name=name))

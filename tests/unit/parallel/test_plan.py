@@ -39,7 +39,8 @@ def plan_json(world_size: int, overrides: list[str], memory: str | None = None) 
 
 # ---- TP plan keys -------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("name", names())
+# A mixture of experts has no TP plan yet: resolution refuses tp > 1 for it (parallel/heads.py).
+@pytest.mark.parametrize("name", [n for n in names() if resolve(ModelConfig(name=n)).n_experts is None])
 def test_every_tp_plan_key_is_a_module_and_every_weight_has_a_plan(name):
     cfg = resolve(ModelConfig(name=name))
     model = build_model(cfg, "meta", seed=0)

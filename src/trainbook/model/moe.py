@@ -1,0 +1,246 @@
+"""The mixture-of-experts feed-forward: a router picks each token's top-k experts, the experts
+(SwiGLUs with their weights stacked) run on the tokens sent to them, and their outputs are summed
+with the router's weights; optional shared experts see every token.
+
+Routing (`Router`), in fp32 whatever the compute dtype, two ways:
+- `softmax` (Qwen3-MoE): scores = softmax(logits) over the experts, the top-k by score, weights
+  the chosen scores, renormalised to sum to 1 with `router_norm_topk`;
+- `sigmoid` (DeepSeek-V3): scores = sigmoid(logits); the experts are chosen by scores + a
+  per-expert bias (`expert_bias`, a buffer: aux-loss-free balancing moves it, the optimizer never
+  does) but weighted by the unbiased scores; with groups, a token chooses only among the experts
+  of its `router_topk_groups` best groups (a group ranked by the sum of its two best biased
+  scores); renormalised, then times `router_scale`.
+Either kind may use the bias, the groups and the scale: they are options of one router.
+
+Dispatch is dropless: every (token, expert) pair is computed, none is dropped for capacity. The
+pairs are sorted by expert (tokens in order within each), so each expert's tokens are one slice
+and `GroupedExperts` runs them all in three `torch._grouped_mm` calls, or, where that kernel does
+not run (`grouped_mm_runs`), one matmul per expert; the two give the same result, bit for bit
+(the activation runs once over all rows either way: CPU elementwise kernels round a tensor's
+vectorised body and its tail differently, so silu per expert would not). The weights are one
+tensor per projection, so an expert no token chose still gets a gradient: zeros.
+
+The combine is fp32 and in a fixed order: each token adds its experts' weighted outputs one by one
+in the router's top-k order, as transformers 5's grouped_mm experts sum them (its default
+`experts_implementation`); nothing is accumulated by atomics, and every gather's backward
+scatters into distinct rows, so the backward is deterministic too.
+
+Module paths (`model/llama.py` documents them with the rest): `feed_forward.router.gate`
+(nn.Linear(dim, n_experts)), `feed_forward.router.expert_bias` (with `router_bias`),
+`feed_forward.experts.{w1,w3}` (n_experts, expert_ffn_dim, dim) and `feed_forward.experts.w2`
+(n_experts, dim, expert_ffn_dim), each expert's slice an nn.Linear weight (out, in) as Hugging
+Face stores it, and `feed_forward.shared.{w1,w2,w3}` (a SwiGLU of n_shared_experts x
+expert_ffn_dim).
+
+Seams left for what comes next: the router returns (and keeps, `Router.counts`) the tokens each
+expert received and the full fp32 scores, what an auxiliary balancing loss or a bias update
+needs; expert parallelism replaces `GroupedExperts`' input and output (tokens sorted by expert,
+their counts) with an all-to-all on either side.
+
+Sources, transformers 5.x: `models/qwen3_moe/modeling_qwen3_moe.py` (`Qwen3MoeTopKRouter`,
+`Qwen3MoeExperts`, `Qwen3MoeSparseMoeBlock`), `models/deepseek_v3/modeling_deepseek_v3.py`
+(`DeepseekV3TopkRouter`, `DeepseekV3MoE`: routed + shared experts).
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from trainbook.config.model import ModelConfig
+
+# What torch._grouped_mm computes in (torch 2.13: fp32/bf16/fp16 on CPU; CUDA: its bf16 kernel on
+# sm90+, a loop of matmuls elsewhere), and the alignment it checks: every stride but the unit one,
+# and each operand's start, a multiple of 16 bytes.
+_GROUPED_MM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+_GROUPED_MM_DEVICES = ("cpu", "cuda")
+_ALIGN = 16
+
+
+def is_moe_layer(cfg: ModelConfig, layer: int) -> bool:
+    """Whether block `layer` of model `cfg` has an MoE feed-forward (else the dense SwiGLU)."""
+    return cfg.n_experts is not None and layer not in cfg.dense_layers
+
+
+class Routing(NamedTuple):
+    weights: torch.Tensor
+    """(N, k) fp32: each token's weight on each chosen expert."""
+    experts: torch.Tensor
+    """(N, k) int64: the chosen experts, in top-k order (by score for `softmax`; for `sigmoid` in
+    topk's unsorted order, as DeepSeek-V3 leaves them): the renormalising sum and the combine run
+    in that order."""
+    scores: torch.Tensor
+    """(N, n_experts) fp32: every expert's score (softmax or sigmoid, no bias), with its graph:
+    the ingredient of an auxiliary balancing loss."""
+    counts: torch.Tensor
+    """(n_experts,) int64: tokens routed to each expert."""
+
+
+class Router(nn.Module):
+    """Top-k routing over `n_experts` (the module docstring says how), in fp32."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.n_experts, self.top_k = cfg.n_experts, cfg.n_experts_per_token
+        self.score, self.norm_topk, self.scale = cfg.router_score, cfg.router_norm_topk, cfg.router_scale
+        self.groups, self.topk_groups = cfg.router_groups, cfg.router_topk_groups
+        self.gate = nn.Linear(cfg.dim, cfg.n_experts, bias=False)
+        self.expert_bias: torch.Tensor | None
+        if cfg.router_bias:
+            # Persistent: checkpoints carry it, since balancing, not the optimizer, sets it.
+            self.register_buffer("expert_bias", torch.empty(cfg.n_experts, dtype=torch.float32))
+        else:
+            self.expert_bias = None
+        self.counts: torch.Tensor | None = None
+        """(n_experts,) int64: tokens each expert received in the last forward (None before any)."""
+
+    def init_weights(self, std: float) -> None:
+        nn.init.normal_(self.gate.weight, mean=0.0, std=std)
+        if self.expert_bias is not None:
+            nn.init.zeros_(self.expert_bias)
+
+    def forward(self, x: torch.Tensor) -> Routing:
+        """x (N, dim) -> the routing of its N tokens."""
+        # fp32 logits even under autocast (which would run this matmul in bf16): near-ties between
+        # experts are decided by the last bits.
+        with torch.autocast(x.device.type, enabled=False):
+            logits = F.linear(x.float(), self.gate.weight.float())  # (N, E)
+        scores = logits.softmax(dim=-1) if self.score == "softmax" else logits.sigmoid()  # (N, E)
+        with torch.no_grad():  # the choice only picks indices; the weights come from `scores`
+            choice = scores if self.expert_bias is None else scores + self.expert_bias
+            if self.groups > 1:
+                choice = self._within_best_groups(choice)
+            # sorted as each reference sorts (Qwen3-MoE: by score; DeepSeek-V3: unsorted), so the
+            # renormalising sum below adds in its order and the weights match it bit for bit.
+            experts = torch.topk(choice, self.top_k, dim=-1, sorted=self.score == "softmax").indices  # (N, k)
+        weights = scores.gather(-1, experts)  # (N, k)
+        if self.norm_topk:
+            # + 1e-20 (DeepSeek-V3's guard against an all-zero sigmoid row) leaves any sum above
+            # ~1e-12 unchanged in fp32, so Qwen3-MoE's plain division is matched too.
+            weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+        if self.scale != 1.0:
+            weights = weights * self.scale
+        counts = torch.bincount(experts.flatten(), minlength=self.n_experts)  # (E,)
+        self.counts = counts
+        return Routing(weights, experts, scores, counts)
+
+    def _within_best_groups(self, choice: torch.Tensor) -> torch.Tensor:
+        """`choice` (N, E) with -inf outside each token's `topk_groups` best groups of experts."""
+        n = choice.shape[0]
+        grouped = choice.view(n, self.groups, -1)  # (N, G, E / G)
+        group_scores = grouped.topk(2, dim=-1).values.sum(dim=-1)  # (N, G): each group's best two
+        best = group_scores.topk(self.topk_groups, dim=-1, sorted=False).indices  # (N, topk_groups)
+        keep = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, best, True)  # (N, G)
+        return grouped.masked_fill(~keep[..., None], float("-inf")).view(n, -1)
+
+
+class GroupedExperts(nn.Module):
+    """`n_experts` SwiGLUs, w2(silu(w1 x) * w3 x) each, their weights stacked: w1, w3 (E, hidden,
+    dim), w2 (E, dim, hidden); expert e's slice is an nn.Linear weight (out, in)."""
+
+    def __init__(self, n_experts: int, dim: int, hidden_dim: int):
+        super().__init__()
+        self.w1 = nn.Parameter(torch.empty(n_experts, hidden_dim, dim))  # gate
+        self.w2 = nn.Parameter(torch.empty(n_experts, dim, hidden_dim))  # back into the residual stream
+        self.w3 = nn.Parameter(torch.empty(n_experts, hidden_dim, dim))  # value
+        self.use_grouped_mm = True
+        """Run the experts with torch._grouped_mm where it runs (`grouped_mm_runs`); False: always
+        one matmul per expert."""
+
+    def init_weights(self, std: float, out_std: float) -> None:
+        nn.init.normal_(self.w1, mean=0.0, std=std)
+        nn.init.normal_(self.w3, mean=0.0, std=std)
+        nn.init.normal_(self.w2, mean=0.0, std=out_std)
+
+    def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """x (M, dim), rows sorted by expert: counts[e] (counts (E,) int64) rows for expert e in
+        turn -> (M, dim), in the compute dtype (autocast's, else the weights')."""
+        dtype = _compute_dtype(self.w1, x.device.type)
+        x = x.to(dtype)
+        w1, w2, w3 = (w.to(dtype) for w in (self.w1, self.w2, self.w3))
+        if self.use_grouped_mm and x.shape[0] > 0 and grouped_mm_runs(x, w1, w2, w3):
+            offsets = torch.cumsum(counts, dim=0, dtype=torch.int32)  # (E,): where each expert's rows end
+
+            def matmul(a, w):
+                # w.mT: the (E, in, out) view grouped_mm multiplies by, with no copy (column-major).
+                return torch._grouped_mm(a, w.mT, offs=offsets)
+        else:
+            sizes = counts.tolist()  # one host sync: the loop needs its slices' lengths
+
+            def matmul(a, w):
+                return torch.cat([F.linear(rows, w[e]) for e, rows in enumerate(a.split(sizes))])
+        h = F.silu(matmul(x, w1)) * matmul(x, w3)  # (M, hidden)
+        return matmul(h, w2)  # (M, dim)
+
+
+def grouped_mm_runs(x: torch.Tensor, *weights: torch.Tensor) -> bool:
+    """Whether torch._grouped_mm takes x (M, dim) against expert weights (E, out, in) seen through
+    `.mT`: a dtype and device it computes in, and 16-byte aligned starts and strides (on this
+    machine's torch 2.13 CPU build: fp32, bf16 and fp16 when dim and the hidden size are multiples
+    of 4 fp32 or 8 bf16 elements; fp64 or a hidden size of 6 fp32 elements fall back)."""
+    if not hasattr(torch, "_grouped_mm") or x.device.type not in _GROUPED_MM_DEVICES:
+        return False
+    if x.dtype not in _GROUPED_MM_DTYPES or any(w.dtype != x.dtype for w in weights):
+        return False
+    size = x.element_size()
+    return all(t.data_ptr() % _ALIGN == 0 and all(s * size % _ALIGN == 0 for s in t.stride() if s != 1)
+               for t in (x, *weights))  # fmt: skip
+
+
+def _compute_dtype(weight: torch.Tensor, device_type: str) -> torch.dtype:
+    # torch._grouped_mm is not on autocast's list: cast as autocast would cast a matmul.
+    return torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else weight.dtype
+
+
+class MoE(nn.Module):
+    """The MoE feed-forward of one block: router, routed experts, and `shared` (a SwiGLU every
+    token passes through, DeepSeek-V3's shared experts; None: none), summed."""
+
+    def __init__(self, cfg: ModelConfig, shared: nn.Module | None = None):
+        super().__init__()
+        self.top_k = cfg.n_experts_per_token
+        self.router = Router(cfg)
+        self.experts = GroupedExperts(cfg.n_experts, cfg.dim, cfg.expert_ffn_dim)
+        self.shared = shared
+
+    def init_weights(self, std: float, out_std: float) -> None:
+        """Router gate and expert w1/w3 normal(0, std), expert w2 normal(0, out_std), as the dense
+        SwiGLU; the selection bias 0. The draw order is fixed: router, experts, shared."""
+        self.router.init_weights(std)
+        self.experts.init_weights(std, out_std)
+        if self.shared is not None:
+            self.shared.init_weights(std, out_std)
+
+    def active_numel(self) -> int:
+        """Parameters one token passes through (model/count.py): the router's gate, k experts'
+        three matrices, the shared experts."""
+        routed = sum(w[0].numel() for w in (self.experts.w1, self.experts.w2, self.experts.w3))
+        shared = sum(p.numel() for p in self.shared.parameters()) if self.shared is not None else 0
+        return self.router.gate.weight.numel() + self.top_k * routed + shared
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x (..., dim) -> (..., dim) in x's dtype."""
+        shape, k = x.shape, self.top_k
+        x = x.reshape(-1, shape[-1])  # (N, dim)
+        n = x.shape[0]
+        routing = self.router(x)
+        # Dispatch: the N k (token, expert) pairs sorted by expert, tokens in order within each.
+        order = torch.argsort(routing.experts.flatten(), stable=True)  # (N k,)
+        # expand + reshape, not x[order // k]: its backward sums each token's k copies in a fixed
+        # order rather than by index_add.
+        pairs = x[:, None, :].expand(n, k, shape[-1]).reshape(n * k, shape[-1])  # (N k, dim)
+        out = self.experts(pairs[order], routing.counts)  # (N k, dim), sorted by expert
+        # Back to (token, expert) order through the inverse permutation: a gather, not a scatter.
+        inverse = torch.empty_like(order)
+        inverse[order] = torch.arange(order.numel(), device=order.device)
+        out = out[inverse].view(n, k, -1)  # (N, k, dim)
+        weights = routing.weights  # (N, k) fp32
+        y = out[:, 0].float() * weights[:, :1]  # (N, dim) fp32
+        for j in range(1, k):  # one by one: the sum's order is fixed
+            y = y + out[:, j].float() * weights[:, j : j + 1]
+        if self.shared is not None:
+            y = y + self.shared(x).float()
+        return y.to(x.dtype).view(shape)
