@@ -49,7 +49,11 @@ def save_hf(root: Path, fam: str, tie: bool, **changes) -> tuple[Path, torch.nn.
     """A random tiny model of `fam` saved by transformers into root/hf; returns (dir, model)."""
     config_cls, model_cls = CLASSES[fam]
     torch.manual_seed(0)
-    hf = model_cls(config_cls(**SHAPE | changes, tie_word_embeddings=tie))
+    return save_random(root, model_cls(config_cls(**SHAPE | changes, tie_word_embeddings=tie)))
+
+
+def save_random(root: Path, hf: torch.nn.Module) -> tuple[Path, torch.nn.Module]:
+    """`hf` with every tensor random (norm gains near 1), saved by transformers into root/hf."""
     with torch.no_grad():
         for name, p in hf.named_parameters():
             p.copy_(1 + 0.1 * torch.randn_like(p) if "norm" in name else 0.1 * torch.randn_like(p))

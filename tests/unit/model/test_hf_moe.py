@@ -16,13 +16,13 @@ import torch
 import transformers
 from safetensors.torch import load_file
 
-from tests.unit.model.test_hf_families import export_run, logits, tokens, write_config
+from tests.unit.model.test_hf_families import export_run, import_hf, logits, save_random, tokens, write_config
 from tests.unit.model.test_hf_import import one_line_error
 from tests.unit.model.test_moe import ContiguousSilu, one_thread  # noqa: F401 (a fixture)
 from trainbook.config.model import ModelConfig
-from trainbook.model import build_model, resolve
+from trainbook.model import resolve
 from trainbook.model.hf import hf_config
-from trainbook.model.hf_import import check_against_recipe, load_hf_weights, model_config_from_hf
+from trainbook.model.hf_import import check_against_recipe, model_config_from_hf
 
 SHAPE = dict(vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,
              num_key_value_heads=2, head_dim=24, rope_theta=1e6, max_position_embeddings=64, rms_norm_eps=1e-6,
@@ -37,19 +37,7 @@ def save_hf(root: Path, norm: bool, tie: bool, **changes) -> tuple[Path, torch.n
     """A random tiny Qwen3-MoE saved by transformers into root/hf; returns (dir, model)."""
     torch.manual_seed(0)
     config = transformers.Qwen3MoeConfig(**SHAPE | changes, norm_topk_prob=norm, tie_word_embeddings=tie)
-    hf = transformers.Qwen3MoeForCausalLM(config)
-    with torch.no_grad():
-        for name, p in hf.named_parameters():
-            p.copy_(1 + 0.1 * torch.randn_like(p) if "norm" in name else 0.1 * torch.randn_like(p))
-    out = root / "hf"
-    hf.eval().save_pretrained(out)
-    return out, hf
-
-
-def import_hf(path: Path):
-    model = build_model(model_config_from_hf(path), "cpu", seed=0)
-    load_hf_weights(model, path)
-    return model.eval()
+    return save_random(root, transformers.Qwen3MoeForCausalLM(config))
 
 
 # ---- parity --------------------------------------------------------------------------------------
