@@ -233,6 +233,21 @@ def shakespeare_cache(tmp_path_factory) -> Path:
 
 
 @pytest.fixture
+def one_thread():
+    """One intra-op thread for a bit-for-bit comparison: with more, torch splits a matmul's rows
+    among threads by its shape, so two computations of one product blocked differently round
+    differently (transformers multiplies an expert's w1 and w3 as one fused (2 x hidden) weight
+    where trainbook has two: up to 8e-8 apart on two threads, measured). `make test` runs one
+    thread a process; a bare pytest may not."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture
 def recipe(tmp_path: Path, debug_data: DebugData) -> Path:
     """The debug recipe in a new folder, over the session's prepared debug data."""
     return write_recipe(tmp_path / "unit.toml", debug_data.corpus, cache_dir=debug_data.cache)

@@ -49,6 +49,9 @@ Two kinds of point:
                         (default 2**50) in the training forward of the step: the allocator's real
                         out-of-memory failure (CPU: "DefaultCPUAllocator: can't allocate memory";
                         CUDA: torch.OutOfMemoryError) raised inside the block;
+  `model.router_collapse` every MoE router of a training forward sees one vector along its expert
+                        0's gate row in place of its tokens: all tokens go to the same k experts,
+                        the others get none (`@N+`: a router collapsed from step N on);
   `comm.slow_sync`      the step's loss report (its last exposed collective) joins late on this
                         rank, by TRAINBOOK_FAULT_SLOWDOWN - 1 (default 9) times the recent clean
                         steps: a slow link, which every rank waits for in `grad_sync`;

@@ -44,6 +44,8 @@ class RunPaths:
     events: Path
     layers: Path
     """layers.jsonl: per-layer statistics at their cadence."""
+    experts: Path
+    """experts.jsonl: a mixture of experts' load per MoE layer at the logging cadence."""
     health: Path
     checkpoints: Path
     workers: Path
@@ -65,7 +67,8 @@ class RunPaths:
         return cls(
             root=root, recipe=root / "recipe.toml", config=root / "config.resolved.toml", env=root / "env.json",
             tokenizer=root / "tokenizer", logs=root / "logs", metrics=root / "metrics.jsonl",
-            events=root / "events.jsonl", layers=root / "layers.jsonl", health=root / "health.json",
+            events=root / "events.jsonl", layers=root / "layers.jsonl", experts=root / "experts.jsonl",
+            health=root / "health.json",
             checkpoints=root / "checkpoints", workers=root / "workers", incidents=root / "incidents",
             hang=root / "hang", oom=root / "oom", profile=root / "profile", tensorboard=root / "tb",
             wandb=root / "wandb", mlflow=root / "mlruns", report=root / "report.html",

@@ -202,6 +202,7 @@ BLOCKS = {
     "triage: step 18: loss": ("compared", "tests/e2e/test_triage.py", "(`TRAINBOOK_FAULT=data.random_batch@18`"),
     "$ trainbook run unit.toml train.eval_every=0 --run-dir runs/unit/oom-demo": ("compared", "tests/e2e/test_oom.py", "Provoked here by a block asking the allocator for a PiB"),
     '"measured": {"parameters"': ("compared", "tests/e2e/test_oom.py", "The breakdown, measured against plan"),
+    "alert dead_expert at step": ("compared", "tests/e2e/test_moe.py", "routers were made to collapse from step 5"),
     "peak memory grew": ("compared", "tests/e2e/test_oom.py", "16 MiB kept per step by a block's forward"),
     "trainbook run ──► commands/resolve.py": ("input", "the architecture's picture"),
     "make test ": ("input", "development commands"),

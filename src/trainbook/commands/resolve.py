@@ -105,6 +105,7 @@ def resolve(recipe: Path, overrides: list[str], world_size: int, *, device_memor
                              where=f"{where}: train.seq_len")
     _check_secrets(cfg, where)
     dims = resolve_dims(cfg.parallel, world_size, where)
+    cfg = _with_balancing(cfg, dims, where)
     _check_model_layout(cfg, dims, where)
     _check_fine_tuning(cfg, dims, where)
     _check_grpo(cfg, dims, where)
@@ -298,6 +299,27 @@ def _check_sampled_steps(cfg: Config, dims: ParallelDims, where: str, name: str,
         held_out = "reward" if fmt == "prompts" else "reward (or loss)"
         raise TrainbookError(f"{name} has no held-out loss: set train.eval_every = 0 and measure the held-out "
                              f"{held_out} with `trainbook eval`", where=f"{where}: train.eval_every")
+
+
+def _with_balancing(cfg: Config, dims: ParallelDims, where: str) -> Config:
+    """`[moe]` fits the model and layout; `moe.balance = bias` gives every router its selection
+    bias (config/moe.py), which the resolved config then records (`model.router_bias = true`)."""
+    moe, m = cfg.moe, cfg.model
+    if m.n_experts is not None and cfg.train.compile is True:
+        raise TrainbookError("train.compile = true: a mixture of experts trains eager for now (its routers "
+                             "keep eager bookkeeping: the recompute's choice, the token counts)",
+                             where=f"{where}: train.compile")
+    if moe.balance == "none":
+        return cfg
+    if m.n_experts is None:
+        raise TrainbookError(f"moe.balance = {moe.balance} balances experts, and model {m.name!r} has none "
+                             "(model.n_experts is unset)", where=f"{where}: moe.balance")
+    if moe.balance == "aux_loss" and dims.pp > 1:
+        raise TrainbookError("moe.balance = aux_loss is not supported with pp > 1 yet (the schedule runs "
+                             "backward of the main loss alone); use bias", where=f"{where}: moe.balance")
+    if moe.balance == "bias" and not m.router_bias:
+        cfg = cfg.model_copy(update={"model": m.model_copy(update={"router_bias": True})})
+    return cfg
 
 
 def _check_model_layout(cfg: Config, dims: ParallelDims, where: str) -> None:

@@ -140,10 +140,12 @@ def _open_run_dir(res: Resolved, run_dir: Path | None, start: ResumePoint | None
     cfg = res.cfg
     if start is None and is_restart() and run_dir is not None and RunPaths.of(run_dir).config.is_file():
         # The agent restarted a group that had saved no checkpoint yet: from step 0, in place.
+        rewind_metrics(RunPaths.of(run_dir).experts, 0)
         return run_dir, rewind_metrics(RunPaths.of(run_dir).metrics, 0), {}
     if start is not None and start.run_dir is not None and RunPaths.of(start.run_dir).config.is_file():
         paths = RunPaths.of(start.run_dir)
         dropped = rewind_metrics(paths.metrics, start.manifest["step"])
+        rewind_metrics(paths.experts, start.manifest["step"])  # its lines are the logged steps'
         changed = config_changes(start.manifest["config"], cfg)
         if changed:
             atomic_write_text(paths.config, dump_toml(cfg))

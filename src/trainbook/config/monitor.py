@@ -51,7 +51,7 @@ class MonitorConfig(Section):
 
 ALERT_RULES = ("nonfinite", "loss_spike", "grad_spike", "throughput_drop", "stall", "memory_growth",
                "val_regression", "mix_drift", "straggler", "reward_collapse", "entropy_collapse", "kl_blowup",
-               "zero_std_groups")
+               "zero_std_groups", "dead_expert", "expert_imbalance")
 
 
 class AlertsConfig(Section):
@@ -63,7 +63,7 @@ class AlertsConfig(Section):
     each logging interval; a rank slower than the others by the robust rule for 3 intervals in a
     row is an alert naming rank, host and where its time goes: data, compute, communication), and
     for reinforcement learning (`[grpo]`) reward_collapse, entropy_collapse, kl_blowup and
-    zero_std_groups (monitor/alerts.py)."""
+    zero_std_groups, and for a mixture of experts dead_expert and expert_imbalance (monitor/alerts.py)."""
     webhook_url: str | None = None
     """POST each alert as JSON here, an http(s) URL (a background thread with timeout and retries;
     never blocks training). A secret: trainbook writes only its fingerprint (`redacted:sha256:...`,
@@ -111,6 +111,13 @@ class AlertsConfig(Section):
     zero_std_steps: int = Field(default=3, ge=1)
     """GRPO: alert when every group's rewards were equal (frac_reward_zero_std = 1: no advantage,
     nothing trained) in this many logged steps in a row."""
+    expert_imbalance: float = Field(default=3.0, gt=1)
+    """Mixture of experts: alert when a layer's busiest expert got this many times the mean
+    tokens (max / mean; every token sent to the same k of E experts: E / k) in `expert_records`
+    logged records in a row."""
+    expert_records: int = Field(default=3, ge=1)
+    """Mixture of experts: logged records in a row an expert must get no token (`dead_expert`) or
+    a layer stay over `expert_imbalance` (`expert_imbalance`) before the alert."""
     webhook_timeout_s: float = Field(default=5.0, gt=0)
     """Timeout of one webhook POST."""
     webhook_retries: int = Field(default=3, ge=0)

@@ -4,7 +4,7 @@ Every field has a default and a docstring under it, which is its documentation (
 it as the field's description). Unknown keys are errors. Components receive their own section only, e.g. ``build_model(cfg.model)``.
 
 The sections live beside this file, one module per part of the run (the tables each holds):
-`run`, `data` (`data`, `tokenizer`), `model`, `lora`, `grpo`, `dpo`, `train` (`optim`, `schedule`, `train`,
+`run`, `data` (`data`, `tokenizer`), `model`, `moe`, `lora`, `grpo`, `dpo`, `train` (`optim`, `schedule`, `train`,
 `precision`), `parallel`, `checkpoint`, `monitor` (`log`, `monitor`, `alerts`), `diagnose`
 (`diagnose`, `triage`) and `book` (`env`, `launch`, `expect`); `section.py` holds their base.
 """
@@ -21,6 +21,7 @@ from trainbook.config.dpo import DpoConfig
 from trainbook.config.grpo import GrpoConfig
 from trainbook.config.lora import LoraConfig
 from trainbook.config.model import ModelConfig
+from trainbook.config.moe import MoeConfig
 from trainbook.config.monitor import AlertsConfig, LogConfig, MonitorConfig
 from trainbook.config.parallel import ParallelConfig
 from trainbook.config.run import RunConfig
@@ -35,6 +36,7 @@ class Config(Section):
     data: DataConfig = DataConfig()
     tokenizer: TokenizerConfig = TokenizerConfig()
     model: ModelConfig = ModelConfig()
+    moe: MoeConfig = MoeConfig()
     lora: LoraConfig = LoraConfig()
     grpo: GrpoConfig = GrpoConfig()
     dpo: DpoConfig = DpoConfig()

@@ -225,7 +225,8 @@ def _qwen3_moe_fields(fam: Family, cfg) -> dict:
     if other:
         said = ", ".join(f"{k}={v!r}" if isinstance(v, str) else f"{k}={str(v).lower()}" for k, v in other.items())
         raise TrainbookError(f"{fam.architecture} routes by a softmax over every expert, with no shared experts, "
-                             f"groups, scale or selection bias; this model has {said}",
+                             f"groups, scale or selection bias; this model has {said}"
+                             + (" (moe.balance = bias trains one)" if "router_bias" in other else ""),
                              where=f"model.{next(iter(other))}")
     return {"num_experts": cfg.n_experts, "num_experts_per_tok": cfg.n_experts_per_token,
             "moe_intermediate_size": cfg.expert_ffn_dim, "norm_topk_prob": cfg.router_norm_topk,

@@ -32,10 +32,19 @@ Module paths (`model/llama.py` documents them with the rest): `feed_forward.rout
 Face stores it, and `feed_forward.shared.{w1,w2,w3}` (a SwiGLU of n_shared_experts x
 expert_ffn_dim).
 
-Seams left for what comes next: the router returns (and keeps, `Router.counts`) the tokens each
-expert received and the full fp32 scores, what an auxiliary balancing loss or a bias update
-needs; expert parallelism replaces `GroupedExperts`' input and output (tokens sorted by expert,
-their counts) with an all-to-all on either side.
+What training reads from a router (train/experts.py balances and reports with it), kept by
+training forwards only (gradients on: not an evaluation, not a rollout's sampling) and once per
+micro-batch: `tally`, the tokens each expert got since `Router.reset`; `entropy_sum` and `tokens`,
+the summed entropy of the tokens' score distributions; with `aux_loss` on, `aux` (the last
+forward's balancing loss, with its graph) and `aux_sum` / `aux_count`.
+
+Under activation checkpointing a block's forward runs again in backward. That recompute takes
+the choice the forward made (`keep_choice`: a queue, since a pipeline runs several micro-batches'
+forwards before their backwards) instead of routing again, so a near tie decided one way in
+forward cannot be decided the other way in the recompute (the gradients would then belong to
+experts the output never used); and it adds nothing to the tallies. Expert parallelism will
+replace `GroupedExperts`' input and output (tokens sorted by expert, their counts) with an
+all-to-all on either side.
 
 Sources, transformers 5.x: `models/qwen3_moe/modeling_qwen3_moe.py` (`Qwen3MoeTopKRouter`,
 `Qwen3MoeExperts`, `Qwen3MoeSparseMoeBlock`), `models/deepseek_v3/modeling_deepseek_v3.py`
@@ -44,6 +53,7 @@ Sources, transformers 5.x: `models/qwen3_moe/modeling_qwen3_moe.py` (`Qwen3MoeTo
 
 from __future__ import annotations
 
+from collections import deque
 from typing import NamedTuple
 
 import torch
@@ -96,6 +106,24 @@ class Router(nn.Module):
             self.expert_bias = None
         self.counts: torch.Tensor | None = None
         """(n_experts,) int64: tokens each expert received in the last forward (None before any)."""
+        self.keep_choice = False
+        """The block is activation-checkpointed: keep each training forward's choice for its recompute."""
+        self.aux_loss = False
+        """Compute the balancing loss in training forwards (`aux`; config/moe.py says which)."""
+        self._kept: deque[torch.Tensor] = deque()
+        self.reset()
+
+    def reset(self) -> None:
+        """Zero what training forwards add up (`tally`, `entropy_sum`, `tokens`, the aux sums)."""
+        self.tally: torch.Tensor | int = 0
+        """(n_experts,) int64: tokens routed to each expert by training forwards since the reset."""
+        self.entropy_sum: torch.Tensor | float = 0.0
+        """Summed entropy (nats) of those tokens' normalised scores, fp64."""
+        self.tokens = 0
+        self.aux: torch.Tensor | None = None
+        """The last training forward's balancing loss (fp32 scalar with its graph), with `aux_loss`."""
+        self.aux_sum: torch.Tensor | float = 0.0
+        self.aux_count = 0
 
     def init_weights(self, std: float) -> None:
         nn.init.normal_(self.gate.weight, mean=0.0, std=std)
@@ -109,13 +137,13 @@ class Router(nn.Module):
         with torch.autocast(x.device.type, enabled=False):
             logits = F.linear(x.float(), self.gate.weight.float())  # (N, E)
         scores = logits.softmax(dim=-1) if self.score == "softmax" else logits.sigmoid()  # (N, E)
-        with torch.no_grad():  # the choice only picks indices; the weights come from `scores`
-            choice = scores if self.expert_bias is None else scores + self.expert_bias
-            if self.groups > 1:
-                choice = self._within_best_groups(choice)
-            # sorted as each reference sorts (Qwen3-MoE: by score; DeepSeek-V3: unsorted), so the
-            # renormalising sum below adds in its order and the weights match it bit for bit.
-            experts = torch.topk(choice, self.top_k, dim=-1, sorted=self.score == "softmax").indices  # (N, k)
+        # Inside backward (the autograd engine runs a graph task) this is a checkpointed block's
+        # recompute: the forward's choice, not a new one, and nothing counted twice.
+        recompute = self.keep_choice and torch._C._current_graph_task_id() != -1
+        if recompute:
+            experts = self._kept.popleft()
+        else:
+            experts = self._choose(scores)
         weights = scores.gather(-1, experts)  # (N, k)
         if self.norm_topk:
             # + 1e-20 (DeepSeek-V3's guard against an all-zero sigmoid row) leaves any sum above
@@ -125,7 +153,38 @@ class Router(nn.Module):
             weights = weights * self.scale
         counts = torch.bincount(experts.flatten(), minlength=self.n_experts)  # (E,)
         self.counts = counts
+        if torch.is_grad_enabled() and not recompute:
+            self._record(scores, experts, counts)
         return Routing(weights, experts, scores, counts)
+
+    def _choose(self, scores: torch.Tensor) -> torch.Tensor:
+        """(N, E) scores -> the (N, k) experts each token goes to."""
+        with torch.no_grad():  # the choice only picks indices; the weights come from `scores`
+            choice = scores if self.expert_bias is None else scores + self.expert_bias
+            if self.groups > 1:
+                choice = self._within_best_groups(choice)
+            # sorted as each reference sorts (Qwen3-MoE: by score; DeepSeek-V3: unsorted), so the
+            # renormalising sum below adds in its order and the weights match it bit for bit.
+            return torch.topk(choice, self.top_k, dim=-1, sorted=self.score == "softmax").indices  # (N, k)
+
+    def _record(self, scores: torch.Tensor, experts: torch.Tensor, counts: torch.Tensor) -> None:
+        """A training forward: keep the choice for the recompute, add to the tallies, and the
+        balancing loss E x sum_e f_e P_e (config/moe.py; Megatron's, and 1 / k of transformers'
+        Qwen3-MoE `load_balancing_loss_func` over one layer, which counts f per choice slot)."""
+        if self.keep_choice:
+            self._kept.append(experts)
+        n = scores.shape[0]
+        self.tally = self.tally + counts
+        with torch.no_grad():
+            p = scores / scores.sum(dim=-1, keepdim=True)  # sigmoid scores do not sum to 1
+            entropy = -(p * p.clamp_min(1e-30).log()).sum(dim=-1)  # (N,)
+            self.entropy_sum = self.entropy_sum + entropy.double().sum()
+        self.tokens += n
+        if self.aux_loss and n > 0:
+            share = counts.float() / (n * self.top_k)  # f_e: each expert's share of the choices
+            self.aux = self.n_experts * (share * scores.mean(dim=0)).sum()
+            self.aux_sum = self.aux_sum + self.aux.detach()
+            self.aux_count += 1
 
     def _within_best_groups(self, choice: torch.Tensor) -> torch.Tensor:
         """`choice` (N, E) with -inf outside each token's `topk_groups` best groups of experts."""

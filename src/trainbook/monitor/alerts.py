@@ -33,6 +33,10 @@ Rules (ids are `alerts.rules` values, all on by default):
   KL to the reference above `kl_blowup`; `zero_std_groups`, every group's rewards equal in
   `zero_std_steps` logged steps in a row (all advantages 0: the step trains nothing). GRPO's loss
   is a surrogate whose value has no trend to spike from: `loss_spike` does not judge it.
+- Mixture of experts (a logged step's `experts`, train/experts.py): `dead_expert`, an expert of
+  some MoE layer that got no token in `expert_records` logged records in a row (its weights no
+  longer train: a collapsed router, a bias run away); `expert_imbalance`, a layer whose busiest
+  expert got `expert_imbalance` times the mean or more in `expert_records` records in a row.
 - `stall`: no step finished for `stall_s` seconds. A heartbeat thread watches, so the alert
   comes while the loop is stuck, and says the phase and step the phase tracker shows.
 - `straggler`: per-rank step time and data wait are compared each logging interval; a rank slower
@@ -147,6 +151,8 @@ class AlertRules(Sink):
         self._reward_range: tuple[float, float] | None = None  # the lowest and highest step reward seen
         self._first_entropy: float | None = None
         self._flat_steps = 0  # logged steps in a row whose groups all had equal rewards
+        self._idle: dict[tuple[str, int], int] = {}  # (layer, expert) -> records in a row without a token
+        self._skewed: dict[str, int] = {}  # layer -> records in a row over expert_imbalance
         self._last_progress = time.monotonic()
         self._stop = threading.Event()
         self._heartbeat = None
@@ -169,6 +175,8 @@ class AlertRules(Sink):
             self._judge_rl(rl, r.step)
         self._judge_mix(r)
         self._judge_stragglers(r)
+        if r.experts is not None:
+            self._judge_experts(r.experts, r.step)
         self._remember(r)
 
     def on_eval(self, r: EvalReport) -> None:
@@ -265,6 +273,31 @@ class AlertRules(Sink):
                        "is 0 and the steps train nothing (the rewards cannot tell a group's completions apart: "
                        "the prompts are too hard or too easy, or a reward ignores the completion)",
                        threshold=1.0)
+
+    def _judge_experts(self, load: dict[str, dict], step: int) -> None:
+        c = self.cfg
+        for layer, v in load.items():
+            for e, tokens in enumerate(v["tokens"]):
+                self._idle[layer, e] = self._idle.get((layer, e), 0) + 1 if tokens == 0 else 0
+            skewed = v["imbalance"] is not None and v["imbalance"] >= c.expert_imbalance
+            self._skewed[layer] = self._skewed.get(layer, 0) + 1 if skewed else 0
+        dead = sorted(key for key, n in self._idle.items() if n >= c.expert_records)
+        if dead:
+            layers = {name: [e for n, e in dead if n == name] for name, _ in dead}
+            self._fire("dead_expert", float(len(dead)), step,
+                       f"{len(dead)} expert(s) got no token in the last {c.expert_records} logged records, their weights "
+                       "no longer training (a collapsed router; experts.jsonl): "
+                       + "; ".join(f"{name}: {', '.join(map(str, es))}" for name, es in layers.items()),
+                       threshold=float(c.expert_records))
+        skewed = [layer for layer, n in self._skewed.items() if n >= c.expert_records]
+        if skewed:
+            worst = max(skewed, key=lambda name: load[name]["imbalance"])
+            v = load[worst]
+            busiest = max(range(len(v["tokens"])), key=v["tokens"].__getitem__)
+            self._fire("expert_imbalance", v["imbalance"], step,
+                       f"{worst}: expert {busiest} got {v['imbalance']:.2f}x the mean tokens, {c.expert_records} logged "
+                       f"records in a row (router entropy {v['entropy']} nats); set moe.balance or raise its strength",
+                       threshold=c.expert_imbalance)
 
     def _judge_memory(self, r: StepReport) -> None:
         mem = [*self._history["mem"], r.mem_peak_bytes]

@@ -45,6 +45,8 @@ class RunRecord:
     evals: list[dict] = field(default_factory=list)
     events: list[dict] = field(default_factory=list)
     layers: list[dict] = field(default_factory=list)
+    experts: list[dict] = field(default_factory=list)
+    """experts.jsonl lines, by step (a mixture of experts' load; none for a dense model)."""
     checkpoints: list[str] = field(default_factory=list)
     status: str = "unknown"
     status_detail: str = ""
@@ -131,6 +133,7 @@ def load_run(path: str | Path, *, need_metrics: bool = True) -> RunRecord:
         train=_by_step([m for m in metrics if m.get("kind") == "train"]),
         evals=_by_step([m for m in metrics if m.get("kind") == "eval"]),
         events=read_jsonl(paths.events), layers=_by_step(read_jsonl(paths.layers)),
+        experts=_by_step(read_jsonl(paths.experts)),
         checkpoints=_checkpoints(paths.checkpoints),
     )
     run.status, run.status_detail = run_status(run)

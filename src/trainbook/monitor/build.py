@@ -13,7 +13,7 @@ from trainbook.monitor.alerts import add_alerts
 from trainbook.monitor.external import external_sinks
 from trainbook.monitor.report import RunInfo
 from trainbook.monitor.sinks import (
-    AlertEvents, EventLog, LayersFile, LogLines, MetricsFile, Monitors, console_monitor,
+    AlertEvents, EventLog, ExpertsFile, LayersFile, LogLines, MetricsFile, Monitors, console_monitor,
 )
 
 
@@ -26,6 +26,7 @@ def build_monitors(info: RunInfo, log: LogConfig, monitor: MonitorConfig, alerts
         MetricsFile(info.paths.metrics, log.every_steps, info.max_steps),
         LogLines(logger, log.every_steps, info.max_steps),
         AlertEvents(events),
+        ExpertsFile(info.paths.experts),
     ])
     if monitor.layer_stats_every > 0:
         monitors.add(LayersFile(info.paths.layers))

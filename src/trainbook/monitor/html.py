@@ -66,6 +66,7 @@ def report_page(run: RunRecord) -> str:
         _header(run, steps),
         '<h2>Training curves</h2><div class="grid">', *charts, "</div>",
         "<h2>Per-layer statistics</h2>", _layers(run),
+        *(["<h2>Expert load</h2>", _expert_load(run)] if run.experts else []),
         "<h2>Events</h2>", _events_timeline(run), _events_table(run),
     ]
     return _page(f"trainbook report: {run.name}", body)
@@ -225,6 +226,25 @@ def _layers(run: RunRecord) -> str:
             maps.append(heatmap(f"heatmap-{key.replace('_', '-')}", f"Per-layer {label}", blocks, steps, values, label))
     return '<div class="grid">' + "".join(maps) + "</div>" if maps else (
         '<div class="note" id="no-layer-stats">No layer statistics: layers.jsonl holds no values.</div>')
+
+
+def _expert_load(run: RunRecord) -> str:
+    """A mixture of experts: per MoE layer, each expert's tokens over the logged steps as a share
+    of the layer's mean (1: even; grey: no token, a dead expert), from experts.jsonl."""
+    layers: list[str] = []
+    for record in run.experts:
+        layers += [name for name in record.get("layers") or {} if name not in layers]
+    steps = [r["step"] for r in run.experts]
+    maps = []
+    for layer in layers:
+        rows = [((r.get("layers") or {}).get(layer) or {}).get("tokens") for r in run.experts]
+        width = max((len(t) for t in rows if isinstance(t, list)), default=0)
+        shares = [[None] * width if not isinstance(t, list) or not sum(t) else [v * len(t) / sum(t) for v in t]
+                  for t in rows]
+        values = [[shares[c][e] for c in range(len(steps))] for e in range(width)]
+        maps.append(heatmap(f"heatmap-experts-{layer.replace('.', '-')}", f"{layer}: tokens per expert / mean",
+                            [f"expert {e}" for e in range(width)], steps, values, "tokens / mean"))
+    return '<div class="grid">' + "".join(maps) + "</div>"
 
 
 def _events_timeline(run: RunRecord) -> str:

@@ -65,6 +65,18 @@ def _others_median(values: list[float], rank: int) -> float:
     return statistics.median(v for r, v in enumerate(values) if r != rank)
 
 
+def expert_summary(load: dict[str, dict]) -> dict[str, float | None]:
+    """The metrics.jsonl keys of an expert-load record: the worst layer's imbalance (max / mean
+    tokens) and idle share, the lowest mean router entropy, the layers' mean balancing loss."""
+    def pick(key, how):
+        values = [v[key] for v in load.values() if v[key] is not None]
+        return how(values) if values else None
+
+    aux = [v["aux_loss"] for v in load.values() if v["aux_loss"] is not None]
+    return {"moe_imbalance": pick("imbalance", max), "moe_idle_frac": pick("idle_frac", max),
+            "moe_entropy": pick("entropy", min), "moe_aux_loss": round(math.fsum(aux) / len(aux), 6) if aux else None}
+
+
 @dataclass(frozen=True)
 class RunInfo:
     """What monitors may know about the run besides its reports."""
@@ -127,6 +139,10 @@ class StepReport:
     objective: dict | None = None
     """What the training objective measured in the step (train/objective.py: fine-tuning's
     `trained_tokens`), written as keys of the record itself; None for next-token pre-training."""
+    experts: dict[str, dict] | None = None
+    """A mixture of experts, at the logging cadence: each MoE layer's expert load since the
+    previous record (train/experts.py says the keys), written whole to experts.jsonl; the
+    record carries its summary (`expert_summary`)."""
 
     def metrics_record(self) -> dict:
         """The `metrics.jsonl` line (keys are a contract, see DESIGN.md). A skipped fp16 step's
@@ -135,6 +151,9 @@ class StepReport:
         del record["skipped"]  # the running count, skipped_steps, is the recorded fact
         del record["rank_times"]  # the straggler alert's input; the alert is the recorded fact
         record.update(record.pop("objective") or {})
+        experts = record.pop("experts")
+        if experts is not None:
+            record.update(expert_summary(experts))
         record["ranks"] = self.ranks.summary() if self.ranks is not None else None
         if record["grad_norm"] != record["grad_norm"] or abs(record["grad_norm"]) == float("inf"):
             record["grad_norm"] = None

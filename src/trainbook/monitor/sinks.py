@@ -199,6 +199,26 @@ class LayersFile(Sink):
         self._writer.close()
 
 
+class ExpertsFile(Sink):
+    """experts.jsonl: a mixture of experts' load per MoE layer, one line per logged step (none,
+    and no file, for a dense model)."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        self._writer: JsonlWriter | None = None
+
+    def on_step(self, report: StepReport) -> None:
+        if report.experts is None:
+            return
+        if self._writer is None:
+            self._writer = JsonlWriter(self.path)
+        self._writer.write({"step": report.step, "time": report.time, "layers": report.experts})
+
+    def close(self) -> None:
+        if self._writer is not None:
+            self._writer.close()
+
+
 class LogLines(Sink):
     """The run log: the same plain line the console shows, at the logging cadence."""
 

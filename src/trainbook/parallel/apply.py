@@ -31,6 +31,7 @@ from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selectiv
 
 from trainbook.model.lora import LoRALinear
 from trainbook.model.loss import ChunkedLoss
+from trainbook.model.moe import Router
 from trainbook.parallel.dims import ParallelDims
 
 # Ops whose outputs selective checkpointing keeps: matmuls and attention are expensive to
@@ -191,7 +192,11 @@ def apply_tp(model: nn.Module, tp_mesh) -> None:
 
 
 def checkpoint_block(block: nn.Module, selective: bool) -> None:
-    """Recompute the block's activations in backward (selective: all but matmul/attention outputs)."""
+    """Recompute the block's activations in backward (selective: all but matmul/attention outputs).
+    A router in it keeps each forward's choice for the recompute (model/moe.py)."""
+    for module in block.modules():
+        if isinstance(module, Router):
+            module.keep_choice = True
     forward = block.forward
     context_fn = functools.partial(create_selective_checkpoint_contexts, _save_policy) if selective else None
     kwargs = {"context_fn": context_fn} if context_fn else {}

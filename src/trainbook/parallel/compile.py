@@ -69,7 +69,7 @@ class CompileChoice:
 
 
 def settle_compile(record: Path, train, device: torch.device, dims: ParallelDims, *, step_flops: float,
-                   peak_flops: float | None) -> CompileChoice:
+                   peak_flops: float | None, experts: bool = False) -> CompileChoice:
     """`decide` for a run whose directory keeps the choice in `record`: an earlier attempt's
     choice for the same settings is reused (a resumed run compiles exactly when the first did)."""
     settings = [train.compile, train.loss]
@@ -80,7 +80,7 @@ def settle_compile(record: Path, train, device: torch.device, dims: ParallelDims
     except (OSError, ValueError, KeyError, TypeError):
         pass
     choice = decide(train.compile, train.loss, device, dims, step_flops=step_flops, steps=train.max_steps,
-                    peak_flops=peak_flops, micro_tokens=train.micro_batch_size * train.seq_len)
+                    peak_flops=peak_flops, micro_tokens=train.micro_batch_size * train.seq_len, experts=experts)
     record.parent.mkdir(parents=True, exist_ok=True)
     atomic_write_json(record, {"settings": settings, **asdict(choice)})
     return choice
@@ -98,11 +98,15 @@ def compiler_missing(device: torch.device) -> str | None:
 
 
 def decide(setting: bool | str, loss: str, device: torch.device, dims: ParallelDims, *,
-           step_flops: float, steps: int, peak_flops: float | None, micro_tokens: int = 0) -> CompileChoice:
+           step_flops: float, steps: int, peak_flops: float | None, micro_tokens: int = 0,
+           experts: bool = False) -> CompileChoice:
     """`setting`: train.compile (True, False or "auto"); `loss`: train.loss; `step_flops`: one
     rank's FLOPs per optimizer step; `steps`: the run's planned length (train.max_steps);
-    `peak_flops`: one device's peak, None when unknown; `micro_tokens`: tokens per micro-batch."""
-    if setting == "auto":
+    `peak_flops`: one device's peak, None when unknown; `micro_tokens`: tokens per micro-batch;
+    `experts`: the model is a mixture of experts (eager for now: resolution refuses `true`)."""
+    if setting == "auto" and experts:
+        on, why = False, "a mixture of experts trains eager for now"
+    elif setting == "auto":
         on, why = _auto(device, dims, step_flops, steps, peak_flops)
     else:
         on, why = bool(setting), f"train.compile = {str(setting).lower()}"

@@ -40,7 +40,10 @@ from trainbook.precision import Precision, hold_frozen_projections
 from trainbook.runs import RunPaths
 from trainbook.train.bad_steps import BadSteps
 from trainbook.train.engine import LocalEngine, PipelineEngine, lm_loss
-from trainbook.train.fault_hooks import FaultyBatches, attach_block_nan, attach_memory_faults, attach_slow_sync
+from trainbook.train.experts import Experts
+from trainbook.train.fault_hooks import (
+    FaultyBatches, attach_block_nan, attach_memory_faults, attach_router_collapse, attach_slow_sync,
+)
 from trainbook.train.objective import MaskedTokenLoss, NextTokenLoss, Objective
 from trainbook.train.observers import (
     CheckpointStaging, HealthObserver, LayerStatsObserver, Observers, ProfilerObserver, StepObserver,
@@ -105,14 +108,15 @@ def build_trainer(settled: Settled, paths: RunPaths, data: Prepared, rt: Runtime
     is_logged = logged(cfg.log, cfg.train.last_step)
     stragglers = build_stragglers(cfg, rt, tracker, is_logged)
     observers = build_observers(cfg, rt, paths, optimizer, engine, tracker, monitors, checkpointer, stragglers)
-    step = Step(engine, objective, optimizer, scaler, tracker, cfg.optim.grad_clip, settled.accum_steps)
+    experts = Experts(engine.model, cfg.model, cfg.moe, rt, settled.accum_steps) if cfg.model.n_experts else None
+    step = Step(engine, objective, optimizer, scaler, tracker, cfg.optim.grad_clip, settled.accum_steps, experts)
     triage = Triage(cfg.triage, rt, paths, data, loader, samples_per_step=samples_per_step)
     bad = BadSteps(triage, cfg.triage, step, batches, state, checkpointer, loader, scaler, observers,
                    paths=paths, samples_per_step=samples_per_step, emit=events.emit, logger=logger,
                    message=monitors.message)
     reports = StepReports(rt, tracker, loader, delivered, phase_memory, scaler,
                           tokens_per_step=settled.tokens_per_step, flops_per_token=settled.flops_per_token,
-                          peak=settled.peak, logged=is_logged, stragglers=stragglers)
+                          peak=settled.peak, logged=is_logged, stragglers=stragglers, experts=experts)
     oom = OutOfMemory(cfg.diagnose, PlanInputs(cfg.model, cfg.train, cfg.parallel, cfg.precision.dtype, cfg.lora),
                       rt, model, optimizer, paths, events, logger)
     # Last: from here on every rank publishes what it does; a hang stops the run with a verdict.
@@ -184,6 +188,7 @@ def attach_faults(engine: LocalEngine | PipelineEngine, tracker: PhaseTracker, d
     attach_block_nan(engine.model, tracker, data_step)
     attach_memory_faults(engine.model, tracker)
     attach_slow_sync(engine, tracker)
+    attach_router_collapse(engine.model, tracker)
 
 
 def build_checkpointer(settled: Settled, paths: RunPaths, rt: Runtime, events, monitors: Monitors) -> Checkpointer:

@@ -5,8 +5,9 @@ An engine owns what differs between layouts; `Step` (train/step.py) owns what do
 (accumulation, loss scaling, clipping, the update). The protocol:
 
 - `model`: the parameters this rank trains (the optimizer, checkpoints and reports use it);
-- `forward_backward(batch, objective, scaler)`: forward and backward of one micro-batch, adding
-  its share of the step's loss gradient (the objective's: train/objective.py) to `.grad`;
+- `forward_backward(batch, objective, scaler, aux)`: forward and backward of one micro-batch,
+  adding its share of the step's loss gradient (the objective's: train/objective.py, plus what
+  `aux()` returns after the forward: a mixture of experts' balancing loss) to `.grad`;
   returns this rank's loss of the batch (detached), or None where this rank computes no loss;
 - `clip_grad_norm(max_norm)`: the global gradient norm (every shard, rank and stage), clipped to;
 - `eval_loss(batch, objective)`: the batch's loss, forward only (None where no loss is computed);
@@ -19,6 +20,7 @@ schedule that interleaves forward and backward.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import torch
@@ -82,14 +84,19 @@ class LocalEngine:
         """An engine for `model` alone in this process, on `precision`'s device."""
         return cls(model, precision, Runtime(0, 1, ParallelDims(1, 1, 1, 1), precision.device), PhaseTracker())
 
-    def forward_backward(self, batch: Batch, objective: Objective, scaler: LossScaler) -> torch.Tensor:
+    def forward_backward(self, batch: Batch, objective: Objective, scaler: LossScaler,
+                         aux: Callable[[], torch.Tensor | None] | None = None) -> torch.Tensor:
         self.tracker.enter(Phase.FORWARD)
         with self.precision.autocast():
             micro = objective.loss(self.model, batch)
         self.tracker.enter(Phase.BACKWARD)
         # Each micro-batch carries its share of the gradient (next-token: 1/accum, so the sum is
         # the full batch's mean).
-        (scaler.scale(micro.value) / micro.divisor).backward()
+        loss = scaler.scale(micro.value) / micro.divisor
+        extra = aux() if aux is not None else None  # a balancing loss, already this micro-batch's share
+        if extra is not None:
+            loss = loss + scaler.scale(extra)
+        loss.backward()
         return micro.value.detach()
 
     def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
@@ -128,7 +135,9 @@ class PipelineEngine:
         # Not the schedule's shape inference (uninitialised inputs), not an evaluation.
         return self.pipeline.computing and torch.is_grad_enabled()
 
-    def forward_backward(self, batch: Batch, objective: NextTokenLoss, scaler: LossScaler) -> torch.Tensor | None:
+    def forward_backward(self, batch: Batch, objective: NextTokenLoss, scaler: LossScaler,
+                         aux: Callable[[], torch.Tensor | None] | None = None) -> torch.Tensor | None:
+        # `aux`: resolution refuses moe.balance = aux_loss with pp > 1 (the schedule runs backward).
         # TODO(fp16 + pp): the schedule runs backward of the loss itself, unscaled; resolution
         # refuses fp16 with pp > 1 until the pipeline's loss_fn applies `scaler.scale`.
         # The schedule computes the next-token loss itself (`lm_loss`, given when it was built).

@@ -22,6 +22,7 @@ from torch import nn
 
 from trainbook.data.samples import Batch
 from trainbook.faults import fault_active, fault_armed, fault_point
+from trainbook.model.moe import Router
 from trainbook.phase import PhaseTracker
 
 
@@ -55,6 +56,27 @@ def attach_block_nan(model: nn.Module, tracker: PhaseTracker, data_step: Callabl
         return None
 
     block.register_forward_hook(poison)
+
+
+def attach_router_collapse(model: nn.Module, tracker: PhaseTracker) -> None:
+    """`model.router_collapse@N+`: from step N every MoE router of a training forward sees, in
+    place of its tokens, one vector along its expert 0's gate row (logit 10 for expert 0): each
+    token chooses expert 0 and the same k - 1 others, the rest of the experts get nothing (a
+    collapsed router, for the expert-load alerts)."""
+    if not fault_armed("model.router_collapse"):
+        return
+
+    @torch.compiler.disable
+    def collapse(router: nn.Module, args):
+        if not router.training or not fault_active("model.router_collapse", tracker.current().step):
+            return None
+        (x,) = args
+        w0 = router.gate.weight[0].detach().to(x.dtype)
+        return (w0 * (10.0 / w0.square().sum()) + torch.zeros_like(x),)  # (N, dim), every row the same
+
+    for module in model.modules():
+        if isinstance(module, Router):
+            module.register_forward_pre_hook(collapse)
 
 
 def attach_slow_sync(engine, tracker: PhaseTracker) -> None:

@@ -26,6 +26,7 @@ from trainbook.parallel.device import peak_memory_bytes
 from trainbook.parallel.runtime import Runtime
 from trainbook.phase import Phase, PhaseTracker
 from trainbook.precision import LossScaler
+from trainbook.train.experts import Experts
 from trainbook.train.observers import StragglerObserver
 from trainbook.train.step import StepResult, reported
 
@@ -38,11 +39,12 @@ def logged(log: LogConfig, last_step: int) -> Callable[[int], bool]:
 class StepReports:
     def __init__(self, rt: Runtime, tracker: PhaseTracker, loader: TrainLoader, delivered: DeliveredMix,
                  phase_memory: PhaseMemory, scaler: LossScaler, *, tokens_per_step: int, flops_per_token: float,
-                 peak: Peak | None, logged: Callable[[int], bool], stragglers: StragglerObserver | None):
+                 peak: Peak | None, logged: Callable[[int], bool], stragglers: StragglerObserver | None,
+                 experts: Experts | None = None):
         self.rt, self.tracker, self.loader, self.delivered = rt, tracker, loader, delivered
         self.phase_memory, self.scaler = phase_memory, scaler
         self.tokens_per_step, self.flops_per_token, self.peak = tokens_per_step, flops_per_token, peak
-        self.logged, self.stragglers = logged, stragglers
+        self.logged, self.stragglers, self.experts = logged, stragglers, experts
         self._start, self._host = 0.0, {}
 
     def start(self) -> None:
@@ -85,22 +87,30 @@ class StepReports:
     def _gather(self, step: int, step_time: float, phases: dict[str, float], mem: int) -> dict:
         """At the logging cadence: every rank's step time, data wait and peak memory (`ranks`,
         when distributed), where its time went and how long it waited at the straggler probes
-        (`rank_times`, with those on), and the rows of each source all ranks took since the last
-        time (`data_mix`). One collective, on the steps every rank agrees are due."""
+        (`rank_times`, with those on), the rows of each source all ranks took since the last
+        time (`data_mix`), and a mixture of experts' load since then (`experts`). One
+        collective, on the steps every rank agrees are due."""
         if not self.logged(step):
             return {}
         rows = self.delivered.take().tolist()
+        load = self.experts.take() if self.experts is not None else []
+        experts = {}
         if not self.rt.distributed:
-            return {"data_mix": self.loader.mixture_share(np.array(rows))}
+            if self.experts is not None:
+                experts = {"experts": self.experts.report(load)}
+            return {"data_mix": self.loader.mixture_share(np.array(rows)), **experts}
         probed = self.stragglers.figures(phases) if self.stragglers is not None else []
-        table = self.rt.all_gather_floats([step_time, phases["data"], float(mem), *probed, *rows])
+        table = self.rt.all_gather_floats([step_time, phases["data"], float(mem), *probed, *rows, *load])
+        if self.experts is not None:  # every rank's sums added up: the last columns
+            experts = {"experts": self.experts.report(np.array(table)[:, len(table[0]) - len(load):].sum(axis=0).tolist())}
         # Every rank of a data-parallel replica (its tp, cp and pp ranks) took the replica's rows.
         replica = self.rt.world_size // self.rt.dims.dp
         mix_at = 3 + len(probed)  # the rows per source follow the fixed figures
         out = {
             "ranks": RankSpread([r[0] for r in table], [r[1] for r in table], [int(r[2]) for r in table]),
             "data_mix": self.loader.mixture_share(
-                np.array(table)[:, mix_at:].sum(axis=0).astype(np.int64) // replica),
+                np.array(table)[:, mix_at:mix_at + len(rows)].sum(axis=0).astype(np.int64) // replica),
+            **experts,
         }
         if probed:
             out["rank_times"] = self.stragglers.rank_times([r[0] for r in table], [r[3:mix_at] for r in table])

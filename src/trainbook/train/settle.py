@@ -48,5 +48,6 @@ def settle(cfg: Config, rt: Runtime, workers: Path) -> Settled:
     peaks = [row[0] for row in rt.all_gather_floats([peak.flops if peak else -1.0])]
     compiling = settle_compile(workers / "compile.json", t, rt.device, dims,
                                step_flops=token_flops * tokens / rt.world_size,
-                               peak_flops=None if min(peaks) <= 0 else min(peaks))
+                               peak_flops=None if min(peaks) <= 0 else min(peaks),
+                               experts=cfg.model.n_experts is not None)
     return Settled(compiling.settled(cfg), cfg, peak, note, compiling, token_flops, accum, tokens)

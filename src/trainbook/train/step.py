@@ -16,6 +16,7 @@ from trainbook.data.samples import Batch
 from trainbook.phase import Phase, PhaseTracker
 from trainbook.precision import LossScaler
 from trainbook.train.engine import LocalEngine, PipelineEngine, to_device
+from trainbook.train.experts import Experts
 from trainbook.train.objective import NextTokenLoss, Objective
 from trainbook.train.observers import NO_OBSERVER, StepObserver
 
@@ -78,10 +79,12 @@ class Step:
     """
 
     def __init__(self, engine: Engine, objective: Objective, optimizer: torch.optim.Optimizer, scaler: LossScaler,
-                 tracker: PhaseTracker, grad_clip: float, micro_batches: int):
+                 tracker: PhaseTracker, grad_clip: float, micro_batches: int, experts: Experts | None = None):
         self.engine, self.objective, self.optimizer = engine, objective, optimizer
         self.scaler, self.tracker = scaler, tracker
         self.grad_clip, self.micro_batches = grad_clip, micro_batches
+        self.experts = experts
+        """A mixture of experts' balancing and load (train/experts.py); None for a dense model."""
 
     @classmethod
     def next_token(cls, engine: Engine, optimizer: torch.optim.Optimizer, micro_batches: int, grad_clip: float,
@@ -94,12 +97,16 @@ class Step:
         engine, scaler, tracker = self.engine, self.scaler, self.tracker
         loss_scale = scaler.scale_value
         loss_sum = torch.zeros((), device=engine.rt.device)
+        experts = self.experts
+        aux = experts.aux_term if experts is not None else None
+        if experts is not None:
+            experts.begin()
         observer.at("start")
         for _ in range(self.micro_batches):
             tracker.enter(Phase.DATA)
             batch = to_device(next(batches), engine.rt.device)
             observer.at("data")
-            loss = engine.forward_backward(batch, self.objective, scaler)
+            loss = engine.forward_backward(batch, self.objective, scaler, aux)
             if loss is not None:
                 loss_sum += loss
         observer.at("compute")
@@ -121,13 +128,16 @@ class Step:
         loss = engine.report_loss(self.objective.finish(loss_sum, self.micro_batches)).item()
         grad_norm = grad_norm.item()
         rejected = judge(loss, grad_norm) if judge is not None and not found_inf else None
-        if not found_inf and rejected is None:
+        updated = not found_inf and rejected is None
+        if updated:
             observer.before_update()
             tracker.enter(Phase.OPTIMIZER)
             self.optimizer.step()
             self.optimizer.zero_grad(set_to_none=True)
         elif rejected is not None:
             self.optimizer.zero_grad(set_to_none=True)  # a bad step: the weights stay as they are
+        if experts is not None:  # the selection bias moves with the weights, or stays with them
+            experts.end_step(updated)
         return StepResult(
             loss=loss, grad_norm=grad_norm, phases=reported(tracker.take_durations()),
             loss_scale=loss_scale if scaler.enabled else None, skipped=found_inf, rejected=rejected,

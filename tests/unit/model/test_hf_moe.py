@@ -18,7 +18,7 @@ from safetensors.torch import load_file
 
 from tests.unit.model.test_hf_families import export_run, import_hf, logits, save_random, tokens, write_config
 from tests.unit.model.test_hf_import import one_line_error
-from tests.unit.model.test_moe import ContiguousSilu, one_thread  # noqa: F401 (a fixture)
+from tests.unit.model.test_moe import ContiguousSilu
 from trainbook.config.model import ModelConfig
 from trainbook.model import resolve
 from trainbook.model.hf import hf_config

@@ -78,18 +78,6 @@ def hidden(n: int, seed: int = 1) -> torch.Tensor:
     return torch.randn(n, DIM, generator=torch.Generator().manual_seed(seed))
 
 
-@pytest.fixture
-def one_thread():
-    """One intra-op thread for a bit-for-bit comparison with transformers: with more, torch splits
-    a grouped matmul's rows among threads by its shape, and transformers multiplies w1 and w3 as one
-    fused (2 x hidden) weight where trainbook has two, so the blocking differs (measured: up to 8e-8
-    apart on two threads). `make test` runs one thread a process; a bare pytest may not."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 class ContiguousSilu(torch.nn.Module):
     """silu of a contiguous copy: see test_blocks_match_transformers."""
 

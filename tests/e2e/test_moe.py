@@ -1,0 +1,98 @@
+"""The tiny mixture-of-experts recipe (recipes/moe-tiny-shakespeare.toml) trains on the default
+recipe's plays through the real command, and its expert load is watched: experts.jsonl at the
+logging cadence, its summary in metrics.jsonl, a heatmap per MoE layer in the report. A router
+collapse provoked from step 5 (`model.router_collapse@5+`: every token sent to the same 2 of 8
+experts) fires `dead_expert` and `expert_imbalance`; the steps before it fire neither. The same
+run balances by bias, so its Qwen3-MoE export is refused in one line."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tests import readme
+from tests.conftest import RECIPES, run_cli, run_cli_error
+from trainbook.config import load_config
+from trainbook.monitor.archive import read_jsonl
+
+STEPS, COLLAPSE = 8, 5
+pytestmark = pytest.mark.xdist_group("moe-run")
+
+
+@pytest.fixture(scope="module")
+def collapsed(tmp_path_factory, shakespeare_cache):
+    tmp = tmp_path_factory.mktemp("moe")
+    run_dir = tmp / "run"
+    done = run_cli("run", str(RECIPES / "moe-tiny-shakespeare.toml"), f"train.max_steps={STEPS}", "log.every_steps=1",
+                   "train.eval_every=0", "moe.balance=bias", "alerts.expert_records=2", "alerts.expert_imbalance=3.9",
+                   f"data.cache_dir={shakespeare_cache}", "--run-dir", str(run_dir), cwd=tmp,
+                   env={"TRAINBOOK_FAULT": f"model.router_collapse@{COLLAPSE}+"})
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    return run_dir, done.stdout
+
+
+def test_the_recipe_trains_and_reports_its_expert_load(collapsed):
+    run_dir, out = collapsed
+    assert "model tiny-moe: 1,790,336 parameters" in out  # the recipe's arithmetic
+    assert "compile off (a mixture of experts trains eager for now)" in out
+    assert load_config(run_dir / "config.resolved.toml").model.router_bias  # what moe.balance = bias gave it
+    train = [r for r in read_jsonl(run_dir / "metrics.jsonl") if r["kind"] == "train"]
+    assert train[COLLAPSE - 2]["loss"] < train[0]["loss"]
+    load = read_jsonl(run_dir / "experts.jsonl")
+    assert [r["step"] for r in load] == list(range(1, STEPS + 1))
+    for record, metrics in zip(load, train):
+        assert list(record["layers"]) == ["layers.1", "layers.2", "layers.3"]  # layer 0 is dense
+        for v in record["layers"].values():
+            assert sum(v["tokens"]) == 2048 * 2  # a step's tokens, 2 choices each
+            assert v["imbalance"] == round(max(v["tokens"]) / 512, 4)
+        assert metrics["moe_imbalance"] == max(v["imbalance"] for v in record["layers"].values())
+        assert metrics["moe_aux_loss"] is None  # balanced by bias
+    healthy, broken = load[: COLLAPSE - 1], load[COLLAPSE - 1:]
+    assert all(v["idle_frac"] == 0 and v["imbalance"] < 3.9 for r in healthy for v in r["layers"].values())
+    for record in broken:  # 2 experts take every token, 6 get none
+        assert all(sorted(v["tokens"]) == [0] * 6 + [2048] * 2 for v in record["layers"].values())
+
+
+def test_a_collapsed_router_fires_the_expert_alerts_and_nothing_before(collapsed):
+    run_dir, out = collapsed
+    alerts = [e for e in read_jsonl(run_dir / "events.jsonl") if e["kind"] == "alert"]
+    fired = {e["rule"]: e for e in alerts}
+    assert set(fired) == {"dead_expert", "expert_imbalance"}, alerts
+    # two records in a row from step 5: step 6
+    assert fired["dead_expert"]["step"] == fired["expert_imbalance"]["step"] == COLLAPSE + 1
+    # the experts idle in both records (expert 0 and the one its gate row points at next keep
+    # every token; which one that is can change as the weights train)
+    load = read_jsonl(run_dir / "experts.jsonl")[COLLAPSE - 1:COLLAPSE + 1]
+    dead = sum(a == b == 0 for layer in load[0]["layers"]
+               for a, b in zip(load[0]["layers"][layer]["tokens"], load[1]["layers"][layer]["tokens"]))
+    assert fired["dead_expert"]["value"] == dead >= 12
+    assert fired["expert_imbalance"]["value"] == 4.0  # E / k: every token on the same 2 of 8
+    lines = [line for line in out.splitlines() if line.startswith("alert ")]
+    assert len(lines) == 2, lines
+    assert lines[0].startswith(f"alert dead_expert at step {COLLAPSE + 1}: {dead} expert(s) got no token in the "
+                               "last 2 logged records"), lines
+    assert lines[1].startswith(f"alert expert_imbalance at step {COLLAPSE + 1}: layers.1: expert 0 got 4.00x the mean "
+                               "tokens, 2 logged records in a row"), lines
+    readme.assert_printed("routers were made to collapse from step 5", out, mask=True)
+
+
+def test_the_report_draws_each_layers_expert_load(collapsed, tmp_path):
+    run_dir, _ = collapsed
+    out = tmp_path / "report.html"
+    done = run_cli("report", str(run_dir), "--out", str(out))
+    assert done.returncode == 0, done.stderr
+    page = out.read_text(encoding="utf-8")
+    assert "<h2>Expert load</h2>" in page
+    for layer in (1, 2, 3):
+        cells = page.split(f'id="heatmap-experts-layers-{layer}"')[1].split("</svg>")[0]
+        assert f'data-cells="{8 * STEPS}"' in page.split(f'id="heatmap-experts-layers-{layer}"')[1][:200]
+        assert cells.count('fill="#dddddd"') == 6 * (STEPS - COLLAPSE + 1)  # grey: the dead experts' cells
+        assert f"expert 0 step {COLLAPSE:g}:" in cells
+
+
+def test_a_bias_balanced_qwen3_moe_export_is_refused_in_one_line(collapsed, tmp_path):
+    run_dir, _ = collapsed
+    line = run_cli_error("export", str(run_dir), "--format", "hf", "--out", str(tmp_path / "hf"), cwd=tmp_path)
+    assert "Qwen3MoeForCausalLM routes by a softmax over every expert" in line, line
+    assert "router_bias=true (moe.balance = bias trains one)" in line, line
