@@ -96,3 +96,24 @@ def test_a_bias_balanced_qwen3_moe_export_is_refused_in_one_line(collapsed, tmp_
     line = run_cli_error("export", str(run_dir), "--format", "hf", "--out", str(tmp_path / "hf"), cwd=tmp_path)
     assert "Qwen3MoeForCausalLM routes by a softmax over every expert" in line, line
     assert "router_bias=true (moe.balance = bias trains one)" in line, line
+
+
+def test_two_ranks_count_the_same_tokens_as_one_process(collapsed, shakespeare_cache, tmp_path):
+    """FSDP over 2 ranks, micro-batches of 4 (the same global batch): every rank's counts add up
+    to one process's, step by step (the bias moves alike: the routing stays the same), and the
+    losses agree within the layouts' tolerance."""
+    run_dir, _ = collapsed
+    two = tmp_path / "two"
+    done = run_cli("run", str(RECIPES / "moe-tiny-shakespeare.toml"), f"train.max_steps={COLLAPSE - 1}",
+                   "log.every_steps=1", "train.eval_every=0", "moe.balance=bias", "train.micro_batch_size=4",
+                   "checkpoint.interval_steps=0", f"data.cache_dir={shakespeare_cache}", "--run-dir", str(two),
+                   "--nproc", "2", cwd=tmp_path)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    one_load, two_load = (read_jsonl(d / "experts.jsonl")[: COLLAPSE - 1] for d in (run_dir, two))
+    for alone, shared in zip(one_load, two_load):
+        assert {k: v["tokens"] for k, v in shared["layers"].items()} == {k: v["tokens"] for k, v in alone["layers"].items()}
+        for layer, v in shared["layers"].items():
+            assert v["entropy"] == pytest.approx(alone["layers"][layer]["entropy"], abs=2e-4)  # each rounded to 4 places
+    losses = [[r["loss"] for r in read_jsonl(d / "metrics.jsonl") if r["kind"] == "train"][: COLLAPSE - 1]
+              for d in (run_dir, two)]
+    assert losses[1] == pytest.approx(losses[0], rel=1e-5)
