@@ -7,8 +7,8 @@ most bytes kept for backward at once during a forward + backward (saved-tensor h
 storages, with selective checkpointing's cache and a pipeline stage's outputs; `SavedBytes`):
 plan's activation estimate must be within 5% of them, for every pipeline schedule and
 checkpointing mode. In one process, the estimate is held against the hooks for every
-checkpointing mode, in fp32 and bf16, of the tiny Llama and of a tiny Qwen3 (q/k norms, a
-head_dim of its own).
+checkpointing mode, in fp32 and bf16, of the tiny Llama, of a tiny Qwen3 (q/k norms, a
+head_dim of its own) and of a tiny mixture of experts (with and without a shared expert).
 """
 
 from __future__ import annotations
@@ -38,6 +38,9 @@ COMMON = ["model.name=tiny", "train.seq_len=32", "train.micro_batch_size=2"]
 PP2 = ["parallel.dp_shard=1", "parallel.pp=2"]
 PP2_4MB = PP2 + ["train.micro_batch_size=4", "parallel.pp_microbatches=4"]  # 1F1B's ranks then differ
 QWEN3 = ["model.name=qwen3-tiny"]
+# A mixture of experts (layer 0 dense, 8 experts, top 2); one with a shared expert, not renormalised.
+MOE = ["model.name=tiny-moe", "model.vocab_size=1024"]
+MOE_SHARED = MOE + ["model.n_shared_experts=1", "model.router_norm_topk=false"]
 TWO_RANKS = {
     "fsdp2": ["parallel.dp_shard=2"],
     # bf16 under FSDP2's policy: the blocks get the fp32 RoPE tables uncast (no copy per block).
@@ -131,7 +134,7 @@ def test_activation_estimate_within_5_percent_of_what_is_kept(measured, case, wo
         assert abs(estimate - actual) <= 0.05 * actual, (case, rank, estimate, actual)
 
 
-@pytest.mark.parametrize("model", [[], QWEN3], ids=["tiny", "qwen3"])
+@pytest.mark.parametrize("model", [[], QWEN3, MOE, MOE_SHARED], ids=["tiny", "qwen3", "moe", "moe-shared"])
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
 @pytest.mark.parametrize("mode", ["none", "full", "selective"])
 def test_activation_estimate_in_one_process(mode, dtype, model):

@@ -117,3 +117,13 @@ def test_two_ranks_count_the_same_tokens_as_one_process(collapsed, shakespeare_c
     losses = [[r["loss"] for r in read_jsonl(d / "metrics.jsonl") if r["kind"] == "train"][: COLLAPSE - 1]
               for d in (run_dir, two)]
     assert losses[1] == pytest.approx(losses[0], rel=1e-5)
+
+
+def test_resuming_a_bias_balanced_checkpoint_without_its_bias_is_one_line(collapsed, shakespeare_cache, tmp_path):
+    """The routers' selection bias is part of the model's shape: a recipe without it cannot load
+    the checkpoint (set model.router_bias = true to keep it, frozen, with moe.balance = none)."""
+    run_dir, _ = collapsed
+    line = run_cli_error("run", str(RECIPES / "moe-tiny-shakespeare.toml"), "moe.balance=none",
+                         f"data.cache_dir={shakespeare_cache}", "--resume", str(run_dir / "checkpoints" / f"step-{STEPS}"),
+                         "--run-dir", str(tmp_path / "branch"), cwd=tmp_path)
+    assert line.endswith("checkpoint has router_bias=True, recipe has False"), line

@@ -158,14 +158,17 @@ def find_resume_point(resume: str, run_dir: Path | None) -> ResumePoint | None:
 
 
 # Model fields that decide tensor shapes: a checkpoint cannot load into a model that differs in one.
+# A mixture of experts adds its own: which layers route, how many experts of what size, and
+# whether the routers hold a selection bias (a buffer the checkpoint has or has not).
 SHAPE_FIELDS = ("dim", "n_layers", "n_heads", "n_kv_heads", "head_dim", "qkv_bias", "qk_norm", "vocab_size", "ffn_dim",
-                "tie_embeddings")
+                "tie_embeddings", "n_experts", "expert_ffn_dim", "n_shared_experts", "router_bias", "dense_layers")
 
 
 def check_compatible(manifest: dict, cfg: Config, where: str) -> None:
     saved = with_options(manifest.get("config", {}).get("model", {}))
     for key in SHAPE_FIELDS:
         ours = getattr(cfg.model, key)
+        ours = list(ours) if isinstance(ours, tuple) else ours  # as the manifest's JSON holds a tuple
         if key in saved and saved[key] != ours:
             raise TrainbookError(f"checkpoint has {key}={saved[key]}, recipe has {ours}", where=where)
 

@@ -54,6 +54,7 @@ from trainbook.parallel.device import device_memory_bytes, memory_facts
 from trainbook.parallel.dims import ParallelDims, pipeline_microbatches, resolve_dims
 from trainbook.parallel.heads import check_heads
 from trainbook.parallel.plan import memory_estimates
+from trainbook.model.moe import is_moe_layer
 from trainbook.parallel.plan_memory import PlanInputs, activation_terms, residual_bytes
 from trainbook.parallel.runtime import Runtime
 from trainbook.phase import PhaseState
@@ -292,7 +293,9 @@ class OutOfMemory:
         t, dims = self.inputs.train, self.rt.dims
         samples = t.micro_batch_size // (pipeline_microbatches(self.inputs.parallel, dims.pp) if dims.pp > 1 else 1)
         terms = activation_terms(self.inputs, samples, dims.tp, residual_bytes(self.inputs, dims))
-        return dict.fromkeys(self.blocks, terms[f"block_{t.activation_checkpoint}"])
+        mode = t.activation_checkpoint
+        return {block: terms[f"moe_block_{mode}" if is_moe_layer(self.inputs.model, int(block.split()[-1]))
+                             else f"block_{mode}"] for block in self.blocks}
 
     def _plan_view(self, rank: int) -> dict:
         """Plan's estimate of this rank, and of every candidate change, against the capacity."""

@@ -40,9 +40,10 @@ class ModelCount:
     attention_width: int
     """The query width (n_heads x head_dim) summed over layers: attention's FLOPs per position."""
     block_sharded: int
-    """Per block: the elements tensor parallel splits (projection weights and biases)."""
+    """Per block (the largest): the elements tensor parallel splits (projection weights and biases;
+    a mixture's expert weights)."""
     block_replicated: int
-    """Per block: the elements every tp rank holds whole (norm gains, q/k norms)."""
+    """Per block (the largest): the elements every tp rank holds whole (norm gains, q/k norms)."""
 
     def flops_per_token(self, seq_len: int) -> int:
         """Training FLOPs (forward + backward) per token at sequence length `seq_len`."""
@@ -63,9 +64,12 @@ def _count(cfg: ModelConfig) -> ModelCount:
     embedding = model.tok_embeddings.weight.numel()
     matmul, active_less = _matmul_and_routed(model)
     widths = sum(block.attention.wq.out_features for block in model.layers.values())
-    block = next(iter(model.layers.values()))
+    # The largest block (a mixture of experts' layer outweighs its dense ones): its expert weights
+    # count as sharded, which tensor parallel never has to split (it is refused for experts).
+    block = max(model.layers.values(), key=lambda b: sum(p.numel() for p in b.parameters()))
     sharded = sum(m.weight.numel() + (m.bias.numel() if m.bias is not None else 0)
                   for m in block.modules() if isinstance(m, nn.Linear))
+    sharded += sum(p.numel() for name, p in block.named_parameters() if ".experts." in f".{name}")
     replicated = sum(p.numel() for p in block.parameters()) - sharded
     return ModelCount(total=total, embedding=embedding, active=total - active_less, matmul=matmul,
                       attention_width=widths, block_sharded=sharded, block_replicated=replicated)

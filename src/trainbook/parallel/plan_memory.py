@@ -11,6 +11,7 @@ from itertools import accumulate
 
 from trainbook.config import LoraConfig, ModelConfig, ParallelConfig, TrainConfig
 from trainbook.model.count import count
+from trainbook.model.moe import is_moe_layer
 from trainbook.model.registry import resolve as resolve_model
 from trainbook.parallel.dims import MESH_DIMS, ParallelDims
 from trainbook.sizes import human
@@ -106,9 +107,21 @@ def activation_terms(cfg: PlanInputs, samples: int, tp: int, r: int = 4) -> dict
     the last stage the final norm, its gathered output, the fp32 log-probabilities of the loss
     (S x vocab) and the targets. A pipeline stage also holds its output until the micro-batch's
     backward: the residual stream, or on the last stage the logits (S x vocab, compute dtype).
+    A mixture of experts' layer (`moe_block_*`; tensor parallel is refused for it), with E experts,
+    k a token, expert hidden size Fe and shared hidden size Fs, keeps in place of the SwiGLU:
+      the router, in fp32: its input (the norm's output, an fp32 copy under autocast: so the
+        projection inputs are 3 S D 2 + S D 4 in bf16), the scores, the chosen experts and their
+        weights (and the renormalising sum)                             S E 4 + S k 12 (+ 4 S)
+      dispatch: the sorted (token, expert) rows, the sort and its inverse  S k D c + 16 S k
+      the experts' SwiGLU over S k rows                                  4 S k Fe c
+      the combine, fp32: each choice's output                            4 S k D
+      shared experts: a SwiGLU of Fs (its input cast twice under autocast)  4 S Fs c (+ 2 S D 2)
+    and under `selective` the router's logits (S E 4), the shared experts' matmul outputs
+    (2 S Fs c + S D c) and wo's: the experts' grouped matmuls are recomputed.
     tests/dist/test_plan.py holds this against saved-tensor hooks on real ranks (fp32 and bf16,
     FSDP, TP and every pipeline schedule, with and without checkpointing; a Qwen3-shaped model:
-    q/k norms, Q != D, GQA, under TP in fp32 and bf16).
+    q/k norms, Q != D, GQA, under TP in fp32 and bf16; in one process a tiny MoE with and without
+    a shared expert).
     """
     m, T = cfg.model, cfg.train.seq_len
     c = compute_bytes(cfg)
@@ -120,8 +133,19 @@ def activation_terms(cfg: PlanInputs, samples: int, tp: int, r: int = 4) -> dict
     none = 2 * norm + inputs + ((2 * Q + 2 * K + 4 * F) * S * c + 4 * S * H + qk_norms) // tp
     full = S * D * r // tp
     selective = full + ((2 * Q + 2 * K + 2 * F) * S * c + 4 * S * H) // tp + 2 * S * D * c
+    moe = {}
+    if m.n_experts is not None:
+        E, k, Fe, Fs = m.n_experts, m.n_experts_per_token, m.expert_ffn_dim, (m.n_shared_experts or 0) * m.expert_ffn_dim
+        cast = c == 2 and r == 4  # autocast over fp32 weights
+        moe_inputs = (3 * S * D * 2 + S * D * 4 + (2 * S * D * 2 if Fs else 0)) if cast else 2 * S * D * c
+        router = S * E * 4 + S * k * 12 + (4 * S if m.router_norm_topk else 0)
+        routed = S * k * D * c + 16 * S * k + 4 * S * k * Fe * c + 4 * S * k * D
+        attention = (2 * Q + 2 * K) * S * c + 4 * S * H
+        moe = {"moe_block_none": 2 * norm + moe_inputs + attention + qk_norms + router + routed + 4 * S * Fs * c,
+               "moe_block_full": full,
+               "moe_block_selective": full + attention + S * D * c + S * E * 4 + (2 * S * Fs * c + S * D * c if Fs else 0)}
     return {
-        "block_none": none, "block_full": full, "block_selective": selective,
+        "block_none": none, "block_full": full, "block_selective": selective, **moe,
         "embedding": 8 * S,  # the token ids (int64)
         # final norm, its gathered output, log-probabilities, targets, the loss's weight total
         "head": norm + S * D * c + S * m.vocab_size * 4 + 8 * S + 4,
@@ -159,7 +183,9 @@ def weight_casts(cfg: PlanInputs, dims: ParallelDims, held: dict) -> dict[str, i
         return {"none": 0, "full": 0, "selective": 0}
     head_name = "tok_embeddings.weight" if cfg.model.tie_embeddings and dims.pp == 1 else "output.weight"
     fp32 = {n: d for n, d in held["params"].items() if d["dtype"] == "float32"}
-    blocks = sum(d["param_bytes"] for n, d in fp32.items() if n.startswith("layers.") and len(d["shape"]) == 2) // 2
+    # Projections and a mixture's stacked expert weights (3-D); a router's gate runs in fp32, uncast.
+    blocks = sum(d["param_bytes"] for n, d in fp32.items()
+                 if n.startswith("layers.") and len(d["shape"]) >= 2 and ".router." not in n) // 2
     head = fp32[head_name]["param_bytes"] // 2 if head_name in fp32 else 0
     return {"none": blocks + head, "full": head, "selective": head}
 
@@ -173,25 +199,28 @@ def activations(cfg: PlanInputs, dims: ParallelDims, pipeline: dict | None, pp_r
     t, p = cfg.train, cfg.parallel
     casts = casts or {}
     if pipeline is None:
-        stages = [(cfg.model.n_layers, True, True)]
+        stages, spans = [(cfg.model.n_layers, True, True)], [(0, cfg.model.n_layers)]
         samples, ops = t.micro_batch_size * cfg.rows_per_sample, [(1, 0)]
     else:
-        stages = [(s["layers"][1] - s["layers"][0], s["embedding"], s["head"])
-                  for s in pipeline["stages"] if s["pp_rank"] == pp_rank]
+        mine = [s for s in pipeline["stages"] if s["pp_rank"] == pp_rank]
+        stages = [(s["layers"][1] - s["layers"][0], s["embedding"], s["head"]) for s in mine]
+        spans = [tuple(s["layers"]) for s in mine]
         n_mb = pipeline["microbatches"]
         samples = t.micro_batch_size // n_mb
         ops = schedule_actions(p.pp_schedule, n_mb, dims.pp, pp_rank, len(stages))
     a = activation_terms(cfg, samples, dims.tp, residual_bytes(cfg, dims))
     has_last = any(last for _, _, last in stages)
+    routed = [sum(is_moe_layer(cfg.model, i) for i in range(lo, hi)) for lo, hi in spans]  # MoE layers a stage
     # What a stage's micro-batch keeps after its forward; a pipeline stage also holds its output.
     outside = {"first": a["embedding"], "last": a["head"] + (a["stage_logits"] if pipeline else 0),
             "middle": a["stage_output"]}
     out = {}
     for mode in ("none", "full", "selective"):
-        chunk = [n * a[f"block_{mode}"] + first * outside["first"] + (outside["last"] if last else outside["middle"])
-                 for n, first, last in stages]
+        chunk = [(n - moe) * a[f"block_{mode}"] + moe * a.get(f"moe_block_{mode}", 0) + first * outside["first"]
+                 + (outside["last"] if last else outside["middle"]) for (n, first, last), moe in zip(stages, routed)]
         kept = max(accumulate(sign * chunk[stage] for sign, stage in ops)) + casts.get(mode, 0)
-        peak = kept + a["block_none"] - a[f"block_{mode}"] + (a["logits_transient"] if has_last else 0)
+        biggest = max(a["block_none"] - a[f"block_{mode}"], a.get("moe_block_none", 0) - a.get(f"moe_block_{mode}", 0))
+        peak = kept + biggest + (a["logits_transient"] if has_last else 0)
         out[mode] = {"kept": kept, "peak": peak}
     out["in_flight_microbatches"] = max(accumulate(sign for sign, _ in ops))  # stage-chunks at most
     out["microbatch_samples"] = samples
