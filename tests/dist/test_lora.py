@@ -5,8 +5,8 @@ tensor-parallel ranks (base, A and B split by the adapter-aware column- and row-
 two DDP replicas (gradients all-reduced for the adapters alone) and on two pipeline stages (each
 holding its blocks' adapters; pipelines take concatenated packing, so their single process
 does too). Each layout equals the single process (losses, adapters) within float tolerance; the base leaves every run bitwise as the
-folder holds it; the checkpoints hold optimizer state for the adapters alone, and export for PEFT
-like the single process's."""
+folder holds it; the checkpoints hold optimizer state for the adapters alone (and read back whole
+the same as the single process's), and the sharded run's exports for PEFT."""
 
 from __future__ import annotations
 
@@ -70,6 +70,8 @@ def test_lora_under_every_layout_equals_one_process_and_keeps_the_base_frozen(tm
         optim = [k for k in ours if k.startswith("optim.")]
         assert optim and all(".lora_a." in k or ".lora_b." in k for k in optim), f"{layout}: {optim[:3]}"
 
+        if layout != "fsdp":  # the checkpoints are equal; one export of a sharded run shows it reads back
+            continue
         exported = run_cli("export", str(two), "--format", "peft", "--out", str(tmp_path / f"peft-{layout}"),
                            cwd=tmp_path)
         assert exported.returncode == 0, exported.stderr

@@ -75,9 +75,12 @@ def merge(weight: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scale: float) 
 
 def targeted(model: nn.Module, targets: list[str] | str) -> dict[str, nn.Linear]:
     """The linear layers inside the blocks (`layers.*`) that `targets` names, by module name; a
-    one-line error for a target that names no module, or names one that is not linear."""
+    one-line error for a target that names no module, or names one that is not linear. A mixture
+    of experts' router gate is not one: the router multiplies by its weight itself, in fp32
+    (model/moe.py), so an adapter on it would never run."""
     in_blocks = {name: m for name, m in model.named_modules() if name.startswith("layers.")}
-    linear = {name: m for name, m in in_blocks.items() if isinstance(m, nn.Linear) and not _is_adapter_part(name)}
+    linear = {name: m for name, m in in_blocks.items()
+              if isinstance(m, nn.Linear) and not _is_adapter_part(name) and not name.endswith(".router.gate")}
     if targets == ALL_LINEAR:
         return linear
     chosen: dict[str, nn.Linear] = {}
@@ -87,6 +90,10 @@ def targeted(model: nn.Module, targets: list[str] | str) -> dict[str, nn.Linear]
             leaves = sorted({name.rsplit(".", 1)[-1] for name in linear})
             raise TrainbookError(f"{target!r} names no module of the model (its linear layers: "
                                  f"{', '.join(leaves)}; or '{ALL_LINEAR}')", where="lora.targets")
+        gates = [name for name in named if name.endswith(".router.gate")]
+        if gates:
+            raise TrainbookError(f"{target!r} names {gates[0]!r}, a mixture of experts' router gate, which LoRA does "
+                                 "not adapt (the router multiplies by its weight itself, in fp32)", where="lora.targets")
         not_linear = [name for name in named if name not in linear]
         if not_linear:
             raise TrainbookError(f"{target!r} names {not_linear[0]!r} ({type(in_blocks[not_linear[0]]).__name__}), "

@@ -93,7 +93,6 @@ def _simulate_rank(cfg: PlanInputs, dims: ParallelDims, rank: int) -> dict:
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     from trainbook.parallel.apply import ApplyOptions, parallelize
-    from trainbook.parallel.pipeline import StageGroup, rank_stages
     from trainbook.precision import fsdp_policy, hold_frozen_projections
 
     # DDP (`replicate`) checks shapes with .item(), which meta tensors refuse, and leaves every
@@ -111,7 +110,9 @@ def _simulate_rank(cfg: PlanInputs, dims: ParallelDims, rank: int) -> dict:
             apply_lora(model, cfg.lora, seed=0)  # as the trainer's surgery does: the base frozen,
             hold_frozen_projections(model, cfg.dtype)  # its projections in the compute dtype
             pp_rank = dims.coordinate(rank)["pp"]
-            if dims.pp > 1:
+            if dims.pp > 1:  # torch.distributed.pipelining (and dynamo) only for a pipeline
+                from trainbook.parallel.pipeline import StageGroup, rank_stages
+
                 held = StageGroup([module for _, module in rank_stages(
                     model, dims.pp, pp_rank, cfg.parallel, lambda stage: parallelize(stage, run_dims, mesh, opts))])
             else:

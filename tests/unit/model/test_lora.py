@@ -170,6 +170,20 @@ def test_targets_that_name_no_linear_module_are_refused_in_one_line():
     assert "output" not in targeted(model, "all-linear") and len(targeted(model, "all-linear")) == 7 * model.cfg.n_layers
 
 
+def test_a_mixture_of_experts_router_gate_is_never_adapted():
+    """The router multiplies by its gate's weight itself (fp32): `all-linear` leaves the gates out
+    (the dense layer's SwiGLU and the attention projections stay in), and naming one is refused."""
+    cfg = resolve(ModelConfig(name="tiny-moe", n_layers=2, vocab_size=64))  # layer 0 dense, layer 1 routed
+    model = build_model(cfg, "meta", seed=0)
+    chosen = targeted(model, "all-linear")
+    assert not any("router" in name for name in chosen)
+    assert len(chosen) == 7 + 4  # the dense block's seven; the MoE block's four attention projections
+    with pytest.raises(TrainbookError) as e:
+        targeted(model, ["gate"])
+    assert str(e.value) == ("lora.targets: 'gate' names 'layers.1.feed_forward.router.gate', a mixture of experts' "
+                            "router gate, which LoRA does not adapt (the router multiplies by its weight itself, in fp32)")
+
+
 def test_rank_0_leaves_the_model_as_it_is():
     model = _model()
     assert apply_lora(model, LoraConfig(), seed=3) == []
