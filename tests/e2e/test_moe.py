@@ -7,12 +7,14 @@ run balances by bias, so its Qwen3-MoE export is refused in one line."""
 
 from __future__ import annotations
 
-import json
+import signal
 
 import pytest
+import torch
 
 from tests import readme
 from tests.conftest import RECIPES, run_cli, run_cli_error
+from trainbook.checkpoint import load_state, tensor_entries
 from trainbook.config import load_config
 from trainbook.monitor.archive import read_jsonl
 
@@ -20,20 +22,24 @@ STEPS, COLLAPSE = 8, 5
 pytestmark = pytest.mark.xdist_group("moe-run")
 
 
+def _collapse_args(cache) -> list[str]:
+    return [str(RECIPES / "moe-tiny-shakespeare.toml"), f"train.max_steps={STEPS}", "log.every_steps=1",
+            "train.eval_every=0", "moe.balance=bias", "alerts.expert_records=2", "alerts.expert_imbalance=3.9",
+            f"data.cache_dir={cache}"]
+
+
 @pytest.fixture(scope="module")
 def collapsed(tmp_path_factory, shakespeare_cache):
     tmp = tmp_path_factory.mktemp("moe")
     run_dir = tmp / "run"
-    done = run_cli("run", str(RECIPES / "moe-tiny-shakespeare.toml"), f"train.max_steps={STEPS}", "log.every_steps=1",
-                   "train.eval_every=0", "moe.balance=bias", "alerts.expert_records=2", "alerts.expert_imbalance=3.9",
-                   f"data.cache_dir={shakespeare_cache}", "--run-dir", str(run_dir), cwd=tmp,
+    done = run_cli("run", *_collapse_args(shakespeare_cache), "--run-dir", str(run_dir), cwd=tmp,
                    env={"TRAINBOOK_FAULT": f"model.router_collapse@{COLLAPSE}+"})
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    return run_dir, done.stdout
+    return run_dir, done.stdout, shakespeare_cache
 
 
 def test_the_recipe_trains_and_reports_its_expert_load(collapsed):
-    run_dir, out = collapsed
+    run_dir, out, _ = collapsed
     assert "model tiny-moe: 1,790,336 parameters" in out  # the recipe's arithmetic
     assert "compile off (a mixture of experts trains eager for now)" in out
     assert load_config(run_dir / "config.resolved.toml").model.router_bias  # what moe.balance = bias gave it
@@ -55,7 +61,7 @@ def test_the_recipe_trains_and_reports_its_expert_load(collapsed):
 
 
 def test_a_collapsed_router_fires_the_expert_alerts_and_nothing_before(collapsed):
-    run_dir, out = collapsed
+    run_dir, out, _ = collapsed
     alerts = [e for e in read_jsonl(run_dir / "events.jsonl") if e["kind"] == "alert"]
     fired = {e["rule"]: e for e in alerts}
     assert set(fired) == {"dead_expert", "expert_imbalance"}, alerts
@@ -78,7 +84,7 @@ def test_a_collapsed_router_fires_the_expert_alerts_and_nothing_before(collapsed
 
 
 def test_the_report_draws_each_layers_expert_load(collapsed, tmp_path):
-    run_dir, _ = collapsed
+    run_dir, _, _ = collapsed
     out = tmp_path / "report.html"
     done = run_cli("report", str(run_dir), "--out", str(out))
     assert done.returncode == 0, done.stderr
@@ -92,7 +98,7 @@ def test_the_report_draws_each_layers_expert_load(collapsed, tmp_path):
 
 
 def test_a_bias_balanced_qwen3_moe_export_is_refused_in_one_line(collapsed, tmp_path):
-    run_dir, _ = collapsed
+    run_dir, _, _ = collapsed
     line = run_cli_error("export", str(run_dir), "--format", "hf", "--out", str(tmp_path / "hf"), cwd=tmp_path)
     assert "Qwen3MoeForCausalLM routes by a softmax over every expert" in line, line
     assert "router_bias=true (moe.balance = bias trains one)" in line, line
@@ -102,7 +108,7 @@ def test_two_ranks_count_the_same_tokens_as_one_process(collapsed, shakespeare_c
     """FSDP over 2 ranks, micro-batches of 4 (the same global batch): every rank's counts add up
     to one process's, step by step (the bias moves alike: the routing stays the same), and the
     losses agree within the layouts' tolerance."""
-    run_dir, _ = collapsed
+    run_dir, _, _ = collapsed
     two = tmp_path / "two"
     done = run_cli("run", str(RECIPES / "moe-tiny-shakespeare.toml"), f"train.max_steps={COLLAPSE - 1}",
                    "log.every_steps=1", "train.eval_every=0", "moe.balance=bias", "train.micro_batch_size=4",
@@ -122,8 +128,41 @@ def test_two_ranks_count_the_same_tokens_as_one_process(collapsed, shakespeare_c
 def test_resuming_a_bias_balanced_checkpoint_without_its_bias_is_one_line(collapsed, shakespeare_cache, tmp_path):
     """The routers' selection bias is part of the model's shape: a recipe without it cannot load
     the checkpoint (set model.router_bias = true to keep it, frozen, with moe.balance = none)."""
-    run_dir, _ = collapsed
+    run_dir, _, _ = collapsed
     line = run_cli_error("run", str(RECIPES / "moe-tiny-shakespeare.toml"), "moe.balance=none",
                          f"data.cache_dir={shakespeare_cache}", "--resume", str(run_dir / "checkpoints" / f"step-{STEPS}"),
                          "--run-dir", str(tmp_path / "branch"), cwd=tmp_path)
     assert line.endswith("checkpoint has router_bias=True, recipe has False"), line
+
+
+def _bias(run_dir) -> dict[str, torch.Tensor]:
+    """Every router's selection bias in the run's step-8 checkpoint."""
+    ckpt = run_dir / "checkpoints" / f"step-{STEPS}"
+    entries = {k: tuple(v.size) for k, v in tensor_entries(ckpt).items() if k.endswith("router.expert_bias")}
+    state = {k.removeprefix("model."): torch.empty(shape) for k, shape in entries.items()}
+    load_state(ckpt, {"model": state})
+    return state
+
+
+def test_a_killed_bias_balanced_run_resumes_bitwise_with_its_expert_load(collapsed, tmp_path):
+    """SIGKILLed after step 6 and resumed from its step-4 checkpoint: every loss and gradient norm,
+    every experts.jsonl record and the routers' selection biases at the end equal the straight
+    run's bit for bit (the bias is part of the checkpoint; records after step 4 are rewritten)."""
+    run_dir, _, cache = collapsed
+    killed = tmp_path / "killed"
+    done = run_cli("run", *_collapse_args(cache), "checkpoint.interval_steps=4", "--run-dir", str(killed), cwd=tmp_path,
+                   env={"TRAINBOOK_FAULT": f"model.router_collapse@{COLLAPSE}+,train.after_step@6"})
+    assert done.returncode == -signal.SIGKILL, done.stderr[-2000:]
+    resumed = run_cli("run", "--run-dir", str(killed), cwd=tmp_path,
+                      env={"TRAINBOOK_FAULT": f"model.router_collapse@{COLLAPSE}+"})
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    assert "step-4 at step 4" in resumed.stdout
+
+    def series(d):
+        train = [(r["step"], r["loss"], r["grad_norm"]) for r in read_jsonl(d / "metrics.jsonl") if r["kind"] == "train"]
+        return train, [(r["step"], r["layers"]) for r in read_jsonl(d / "experts.jsonl")]
+
+    assert series(killed) == series(run_dir)
+    ours, theirs = _bias(killed), _bias(run_dir)
+    assert ours.keys() == theirs.keys() and len(ours) == 3
+    assert all(torch.equal(ours[k], theirs[k]) for k in theirs) and any(v.abs().sum() > 0 for v in ours.values())
