@@ -117,25 +117,30 @@ def export_run(tmp_path: Path, cfg: ModelConfig, state: dict) -> Path:
     return export(run_dir, "hf", tmp_path / "exported", "fp32")
 
 
+def assert_round_trip(path: Path, out: Path, model, hf, cls: type) -> None:
+    """The export `out` of the model imported from `path` holds the folder's tensors bit for bit (a
+    tied head written by neither), transformers loads it as `cls` with no missing, unexpected or
+    mismatched key and computes `hf`'s logits, and importing it again gives the model back."""
+    original, exported = load_file(path / "model.safetensors"), load_file(out / "model.safetensors")
+    assert exported.keys() == original.keys()
+    assert all(torch.equal(exported[k], t) for k, t in original.items())
+    back, info = transformers.AutoModelForCausalLM.from_pretrained(out, output_loading_info=True)
+    assert type(back) is cls
+    assert {k: v for k, v in info.items() if v} == {}
+    x = tokens()
+    assert torch.equal(logits(back.eval(), x), logits(hf, x))
+    again = import_hf(out)
+    assert again.cfg == model.cfg
+    ours, theirs = model.state_dict(), again.state_dict()
+    assert ours.keys() == theirs.keys() and all(torch.equal(ours[k], theirs[k]) for k in ours)
+
+
 @CASES
 def test_export_loads_into_transformers_and_reimports_bit_for_bit(tmp_path, fam, tie):
     path, hf = save_hf(tmp_path, fam, tie)
     model = import_hf(path)
     out = export_run(tmp_path, model.cfg, model.state_dict())
-
-    original, exported = load_file(path / "model.safetensors"), load_file(out / "model.safetensors")
-    assert exported.keys() == original.keys()  # a tied head written by neither
-    assert all(torch.equal(exported[k], t) for k, t in original.items())
-    back, info = transformers.AutoModelForCausalLM.from_pretrained(out, output_loading_info=True)
-    assert type(back) is CLASSES[fam][1]
-    assert {k: v for k, v in info.items() if v} == {}  # no missing, unexpected or mismatched keys
-    x = tokens()
-    assert torch.equal(logits(back.eval(), x), logits(hf, x))
-
-    again = import_hf(out)
-    assert again.cfg == model.cfg
-    ours, theirs = model.state_dict(), again.state_dict()
-    assert ours.keys() == theirs.keys() and all(torch.equal(ours[k], theirs[k]) for k in ours)
+    assert_round_trip(path, out, model, hf, CLASSES[fam][1])
 
 
 @pytest.mark.parametrize("fam, option", [("llama", "qkv_bias"), ("qwen2", "qkv_bias"), ("qwen3", "qk_norm")])

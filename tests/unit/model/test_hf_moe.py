@@ -16,7 +16,9 @@ import torch
 import transformers
 from safetensors.torch import load_file
 
-from tests.unit.model.test_hf_families import export_run, import_hf, logits, save_random, tokens, write_config
+from tests.unit.model.test_hf_families import (
+    assert_round_trip, export_run, import_hf, logits, save_random, tokens, write_config,
+)
 from tests.unit.model.test_hf_import import one_line_error
 from tests.unit.model.test_moe import ContiguousSilu
 from trainbook.config.model import ModelConfig
@@ -77,21 +79,9 @@ def test_export_loads_into_transformers_and_reimports_bit_for_bit(tmp_path, norm
     model = import_hf(path)
     out = export_run(tmp_path, model.cfg, model.state_dict())
 
-    original, exported = load_file(path / "model.safetensors"), load_file(out / "model.safetensors")
-    assert exported.keys() == original.keys()
-    assert all(torch.equal(exported[k], t) for k, t in original.items())
     config = json.loads((out / "config.json").read_text())
     assert (config["num_experts"], config["mlp_only_layers"], config["norm_topk_prob"]) == (8, [1], norm)
-    back, info = transformers.AutoModelForCausalLM.from_pretrained(out, output_loading_info=True)
-    assert type(back) is transformers.Qwen3MoeForCausalLM
-    assert {k: v for k, v in info.items() if v} == {}  # no missing, unexpected or mismatched keys
-    x = tokens()
-    assert torch.equal(logits(back.eval(), x), logits(hf, x))
-
-    again = import_hf(out)
-    assert again.cfg == model.cfg
-    ours, theirs = model.state_dict(), again.state_dict()
-    assert ours.keys() == theirs.keys() and all(torch.equal(ours[k], theirs[k]) for k in ours)
+    assert_round_trip(path, out, model, hf, transformers.Qwen3MoeForCausalLM)
 
 
 # ---- config.json ---------------------------------------------------------------------------------
