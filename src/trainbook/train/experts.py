@@ -77,23 +77,24 @@ class Experts:
     def end_step(self, updated: bool) -> None:
         """After the step (`updated`: the optimizer stepped, on every rank alike): the bias moves
         (with `bias`), and the step's tallies join the sums `take` reports."""
-        table = torch.zeros(len(self.layers), self.n_experts, dtype=torch.int64, device=self.rt.device)
+        n = self.n_experts
+        for row, router in self.routers:  # device-side adds only: no host sync in the step
+            self.sums[row, :n] += router.tally
+            self.sums[row, n] += router.entropy_sum
+            self.sums[row, n + 1] += router.tokens
+            self.sums[row, n + 2] += router.aux_sum
+            self.sums[row, n + 3] += router.aux_count
+        if self.balance != "bias" or not updated:
+            return
+        load = torch.zeros(len(self.layers), n, dtype=torch.int64, device=self.rt.device)
         for row, router in self.routers:
-            table[row] += router.tally
-        if self.balance == "bias" and updated:
-            load = table.clone()
-            if self.rt.distributed:
-                dist.all_reduce(load)  # every rank's tokens; other stages' layers add zeros here
-            load = load.double()
-            for row, router in self.routers:
-                # up for an expert under the mean load, down for one over it (DeepSeek-V3)
-                router.expert_bias += self.rate * torch.sign(load[row].mean() - load[row]).float()
-        self.sums[:, : self.n_experts] += table.double()
+            load[row] += router.tally
+        if self.rt.distributed:
+            dist.all_reduce(load)  # every rank's tokens; other stages' layers add zeros here
+        load = load.double()
         for row, router in self.routers:
-            aux = router.aux_sum if router.aux_count else 0.0
-            self.sums[row, self.n_experts:] += torch.tensor(
-                [float(router.entropy_sum), float(router.tokens), float(aux), float(router.aux_count)],
-                dtype=torch.float64, device=self.sums.device)
+            # up for an expert under the mean load, down for one over it (DeepSeek-V3)
+            router.expert_bias += self.rate * torch.sign(load[row].mean() - load[row]).float()
 
     def take(self) -> list[float]:
         """This rank's sums since the last take, flat (the same length on every rank), then zeroed."""
