@@ -305,10 +305,6 @@ def _with_balancing(cfg: Config, dims: ParallelDims, where: str) -> Config:
     """`[moe]` fits the model and layout; `moe.balance = bias` gives every router its selection
     bias (config/moe.py), which the resolved config then records (`model.router_bias = true`)."""
     moe, m = cfg.moe, cfg.model
-    if m.n_experts is not None and cfg.train.compile is True:
-        raise TrainbookError("train.compile = true: a mixture of experts trains eager for now (its routers "
-                             "keep eager bookkeeping: the recompute's choice, the token counts)",
-                             where=f"{where}: train.compile")
     if moe.balance == "none":
         return cfg
     if m.n_experts is None:
@@ -325,6 +321,10 @@ def _with_balancing(cfg: Config, dims: ParallelDims, where: str) -> Config:
 def _check_model_layout(cfg: Config, dims: ParallelDims, where: str) -> None:
     m, p = cfg.model, cfg.parallel
     check_heads(m, dims.tp, where)
+    if m.n_experts is not None and cfg.train.compile is True:
+        raise TrainbookError("train.compile = true: a mixture of experts trains eager for now (its routers "
+                             "keep eager bookkeeping: the recompute's choice, the token counts)",
+                             where=f"{where}: train.compile")
     if dims.pp == 1:
         return
     if cfg.precision.dtype == "fp16":
