@@ -59,6 +59,9 @@ TWO_RANKS = {
     "qwen3-tp2": QWEN3 + ["parallel.dp_shard=1", "parallel.tp=2"],
     "qwen3-bias-tp2-bf16": QWEN3 + ["model.qkv_bias=true", "parallel.dp_shard=1", "parallel.tp=2",
                                     "precision.dtype=bf16"],
+    # Expert parallel: 4 of the 8 experts per rank, each whole (no other rank holds them), the
+    # rest FSDP2-sharded; every recompute exchanges tokens again.
+    "moe-ep2-full": MOE + ["parallel.dp_shard=2", "parallel.ep=2", "train.activation_checkpoint=full"],
 }
 FOUR_RANKS = {
     "hsdp2x2-bf16": ["parallel.dp_replicate=2", "parallel.dp_shard=2", "precision.dtype=bf16"],

@@ -325,6 +325,17 @@ def _check_model_layout(cfg: Config, dims: ParallelDims, where: str) -> None:
         raise TrainbookError("train.compile = true: a mixture of experts trains eager for now (its routers "
                              "keep eager bookkeeping: the recompute's choice, the token counts)",
                              where=f"{where}: train.compile")
+    if dims.ep > 1 and m.n_experts is None:
+        raise TrainbookError(f"parallel.ep = {dims.ep} splits a mixture of experts' experts; model {m.name!r} is dense",
+                             where=f"{where}: parallel.ep")
+    if dims.ep > 1 and m.n_experts % dims.ep:
+        raise TrainbookError(f"the model's {m.n_experts} experts do not split evenly over ep = {dims.ep} ranks",
+                             where=f"{where}: parallel.ep")
+    if dims.ep > 1 and cfg.train.activation_checkpoint == "selective":
+        # The experts' own FSDP unit inside each checkpointed block runs other profiler ops in the
+        # recompute than in the forward, which torch 2.13's selective checkpointing refuses.
+        raise TrainbookError("selective activation checkpointing does not run with expert parallelism yet; "
+                             "use full (or none)", where=f"{where}: train.activation_checkpoint")
     if dims.pp == 1:
         return
     if cfg.precision.dtype == "fp16":

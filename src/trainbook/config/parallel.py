@@ -24,6 +24,11 @@ class ParallelConfig(Section):
     """Tensor-parallel degree (with sequence parallel); must divide the heads and KV heads."""
     pp: int = Field(default=1, ge=-1)
     """Pipeline-parallel degree (ranks, each holding one or more stages)."""
+    ep: int = Field(default=1, ge=1)
+    """Expert-parallel degree (a mixture of experts): each group of `ep` consecutive dp_shard ranks
+    splits the routed experts between them, tokens travel to their experts and back by all-to-all,
+    and the experts are FSDP-sharded over the other dp_shard / ep ranks. Must divide dp_shard and
+    the number of experts; not with tp > 1 or pp > 1 yet."""
     data_parallel: Literal["fsdp", "ddp"] = "fsdp"
     """`fsdp`: FSDP2 over dp_shard (HSDP when dp_replicate > 1 too); `ddp`: replicate (needs dp_shard = 1)."""
     pp_schedule: Literal["gpipe", "1f1b", "interleaved1f1b"] = "1f1b"

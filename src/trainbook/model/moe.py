@@ -42,9 +42,12 @@ Under activation checkpointing a block's forward runs again in backward. That re
 the choice the forward made (`keep_choice`: a queue, since a pipeline runs several micro-batches'
 forwards before their backwards) instead of routing again, so a near tie decided one way in
 forward cannot be decided the other way in the recompute (the gradients would then belong to
-experts the output never used); and it adds nothing to the tallies. Expert parallelism will
-replace `GroupedExperts`' input and output (tokens sorted by expert, their counts) with an
-all-to-all on either side.
+experts the output never used); and it adds nothing to the tallies.
+
+Expert parallelism (parallel/ep.py) leaves this module's code as it is: it shards the stacked
+weights by expert (DTensors; `GroupedExperts` computes with this rank's slice) and sets
+`MoE.exchange`, which takes the rows sorted by expert and their counts where `GroupedExperts`
+would, sends them to their experts' ranks by all-to-all, and brings the outputs back.
 
 Sources, transformers 5.x: `models/qwen3_moe/modeling_qwen3_moe.py` (`Qwen3MoeTopKRouter`,
 `Qwen3MoeExperts`, `Qwen3MoeSparseMoeBlock`), `models/deepseek_v3/modeling_deepseek_v3.py`
@@ -59,6 +62,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from trainbook.config.model import ModelConfig
 
@@ -208,6 +212,9 @@ class GroupedExperts(nn.Module):
         self.use_grouped_mm = True
         """Run the experts with torch._grouped_mm where it runs (`grouped_mm_runs`); False: always
         one matmul per expert."""
+        self.grad_scale = 1.0
+        """What the weights' gradients are multiplied by as backward produces them (expert
+        parallelism's 1 / ep: parallel/ep.py says why)."""
 
     def init_weights(self, std: float, out_std: float) -> None:
         nn.init.normal_(self.w1, mean=0.0, std=std)
@@ -219,7 +226,8 @@ class GroupedExperts(nn.Module):
         turn -> (M, dim), in the compute dtype (autocast's, else the weights')."""
         dtype = _compute_dtype(self.w1, x.device.type)
         x = x.to(dtype)
-        w1, w2, w3 = (w.to(dtype) for w in (self.w1, self.w2, self.w3))
+        # Under expert parallelism the weights are DTensors sharded by expert: this rank's experts.
+        w1, w2, w3 = (_scale_grad(_local(w), self.grad_scale).to(dtype) for w in (self.w1, self.w2, self.w3))
         if self.use_grouped_mm and x.shape[0] > 0 and grouped_mm_runs(x, w1, w2, w3):
             offsets = torch.cumsum(counts, dim=0, dtype=torch.int32)  # (E,): where each expert's rows end
 
@@ -249,6 +257,27 @@ def grouped_mm_runs(x: torch.Tensor, *weights: torch.Tensor) -> bool:
                for t in (x, *weights))  # fmt: skip
 
 
+def _local(w: torch.Tensor) -> torch.Tensor:
+    return w.to_local() if isinstance(w, DTensor) else w
+
+
+class _ScaleGrad(torch.autograd.Function):
+    """Identity forward; backward multiplies the gradient by `scale`."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, scale: float) -> torch.Tensor:
+        ctx.scale = scale
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return grad * ctx.scale, None
+
+
+def _scale_grad(w: torch.Tensor, scale: float) -> torch.Tensor:
+    return w if scale == 1.0 else _ScaleGrad.apply(w, scale)
+
+
 def _compute_dtype(weight: torch.Tensor, device_type: str) -> torch.dtype:
     # torch._grouped_mm is not on autocast's list: cast as autocast would cast a matmul.
     return torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else weight.dtype
@@ -264,6 +293,8 @@ class MoE(nn.Module):
         self.router = Router(cfg)
         self.experts = GroupedExperts(cfg.n_experts, cfg.dim, cfg.expert_ffn_dim)
         self.shared = shared
+        self.exchange = None
+        """Expert parallelism's all-to-all around the experts (parallel/ep.py); None: all here."""
 
     def init_weights(self, std: float, out_std: float) -> None:
         """Router gate and expert w1/w3 normal(0, std), expert w2 normal(0, out_std), as the dense
@@ -276,7 +307,7 @@ class MoE(nn.Module):
     def active_numel(self) -> int:
         """Parameters one token passes through (model/count.py): the router's gate, k experts'
         three matrices, the shared experts."""
-        routed = sum(w[0].numel() for w in (self.experts.w1, self.experts.w2, self.experts.w3))
+        routed = sum(w.shape[1] * w.shape[2] for w in (self.experts.w1, self.experts.w2, self.experts.w3))
         shared = sum(p.numel() for p in self.shared.parameters()) if self.shared is not None else 0
         return self.router.gate.weight.numel() + self.top_k * routed + shared
 
@@ -291,7 +322,11 @@ class MoE(nn.Module):
         # expand + reshape, not x[order // k]: its backward sums each token's k copies in a fixed
         # order rather than by index_add.
         pairs = x[:, None, :].expand(n, k, shape[-1]).reshape(n * k, shape[-1])  # (N k, dim)
-        out = self.experts(pairs[order], routing.counts)  # (N k, dim), sorted by expert
+        rows = pairs[order]  # (N k, dim), sorted by expert
+        if self.exchange is None:
+            out = self.experts(rows, routing.counts)
+        else:
+            out = self.exchange(self.experts, rows, routing.counts)
         # Back to (token, expert) order through the inverse permutation: a gather, not a scatter.
         inverse = torch.empty_like(order)
         inverse[order] = torch.arange(order.numel(), device=order.device)

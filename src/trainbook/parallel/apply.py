@@ -1,15 +1,18 @@
 """Apply a parallel layout to an unchanged model, from outside, in one function.
 
 The order matters and is fixed:
-1. tensor parallel (+ sequence parallel): it swaps parameters for DTensors sharded over `tp`, which
-   every later step must see as they will be at run time;
+1. tensor parallel (+ sequence parallel) or expert parallelism (parallel/ep.py): they swap
+   parameters for DTensors sharded over `tp` or `ep`, which every later step must see as they will
+   be at run time;
 2. activation checkpointing: it wraps each block's forward, so it recomputes the tensor-parallel
    forward including its collectives;
 3. torch.compile per block: it traces the block as checkpointed and tensor-parallel, and stops at
    block boundaries, where FSDP's hooks run; the model's loss is then chunked if asked
    (`train.loss`, model/loss.py), its chunk kernel compiled with the blocks;
 4. data parallel last: FSDP2 `fully_shard` per block and then the root (or DDP `replicate`), so it
-   shards whatever parameters TP left, over the data-parallel dimensions only.
+   shards whatever parameters TP left, over the data-parallel dimensions only; under expert
+   parallelism each MoE layer's experts first, on their own mesh (the ranks holding the same
+   experts).
 Module paths never change (no wrapper modules), so checkpoints and optimizer state keep the names
 of the single-device model.
 """
@@ -33,6 +36,7 @@ from trainbook.model.lora import LoRALinear
 from trainbook.model.loss import ChunkedLoss
 from trainbook.model.moe import Router
 from trainbook.parallel.dims import ParallelDims
+from trainbook.parallel.ep import apply_ep, expert_modules
 
 # Ops whose outputs selective checkpointing keeps: matmuls and attention are expensive to
 # recompute; norms, activations and elementwise ops are cheap and recomputed.
@@ -65,6 +69,9 @@ def parallelize(model: nn.Module, dims: ParallelDims, mesh, opts: ApplyOptions) 
     """Apply TP, activation checkpointing, compile and data parallel (in that order) in place."""
     if dims.tp > 1:
         apply_tp(model, mesh["tp"])
+    expert_mesh = dims.expert_mesh(mesh) if dims.ep > 1 else None
+    if expert_mesh is not None:
+        apply_ep(model, expert_mesh["ep"])
     if opts.activation_checkpoint != "none":
         for block in model.layers.values():
             checkpoint_block(block, selective=opts.activation_checkpoint == "selective")
@@ -79,13 +86,19 @@ def parallelize(model: nn.Module, dims: ParallelDims, mesh, opts: ApplyOptions) 
 
             replicate(model, device_mesh=mesh["dp_replicate"])
         else:
-            apply_fsdp(model, dp_mesh(mesh, dims), opts.mp_policy)
+            experts = None if expert_mesh is None else expert_dp_mesh(expert_mesh, dims)
+            apply_fsdp(model, dp_mesh(mesh, dims), opts.mp_policy, experts)
     return model
 
 
 def dp_mesh(mesh, dims: ParallelDims):
     """FSDP's mesh: 2-D (replicate, shard) for HSDP, else just the sharded dimension."""
     return mesh["dp_replicate", "dp_shard"] if dims.dp_replicate > 1 else mesh["dp_shard"]
+
+
+def expert_dp_mesh(expert_mesh, dims: ParallelDims):
+    """The experts' FSDP mesh: the ranks holding the same experts ((replicate, efsdp) for HSDP)."""
+    return expert_mesh["dp_replicate", "efsdp"] if dims.dp_replicate > 1 else expert_mesh["efsdp"]
 
 
 def tp_plan(model: nn.Module) -> dict[str, object]:
@@ -212,11 +225,14 @@ def _save_policy(ctx, op, *args, **kwargs):
     return CheckpointPolicy.MUST_SAVE if op in _SAVE_OPS else CheckpointPolicy.PREFER_RECOMPUTE
 
 
-def apply_fsdp(model: nn.Module, mesh, mp_policy=None) -> None:
+def apply_fsdp(model: nn.Module, mesh, mp_policy=None, experts=None) -> None:
     """FSDP2 per block, then the root (embeddings, final norm, output head).
 
     `mp_policy`: the precision policy's (compute dtype for the gathered parameters, fp32 master
-    weights, gradients reduced in fp32); None casts nothing.
+    weights, gradients reduced in fp32); None casts nothing. `experts`: under expert parallelism,
+    the experts' mesh: each block's routed experts are sharded first, on that mesh, by their
+    second dimension (the first is the expert, which ep splits), so each parameter is one plain
+    2-D layout.
     """
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
@@ -228,5 +244,9 @@ def apply_fsdp(model: nn.Module, mesh, mp_policy=None) -> None:
     blocks = list(model.layers.values())
     for i, block in enumerate(blocks):
         # The last block's parameters are needed again at once by backward: keep them gathered.
-        fully_shard(block, mesh=mesh, mp_policy=block_mp, reshard_after_forward=i < len(blocks) - 1)
+        reshard = i < len(blocks) - 1
+        for module in expert_modules(block) if experts is not None else ():
+            fully_shard(module, mesh=experts, mp_policy=block_mp, reshard_after_forward=reshard,
+                        shard_placement_fn=lambda _: Shard(1))
+        fully_shard(block, mesh=mesh, mp_policy=block_mp, reshard_after_forward=reshard)
     fully_shard(model, mesh=mesh, mp_policy=mp)

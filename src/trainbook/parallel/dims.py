@@ -10,6 +10,16 @@ The device mesh has up to four named dimensions, outermost first:
 A rank's place in the world is row-major over (pp, dp_replicate, dp_shard, tp): the tp ranks of one
 group are consecutive, which keeps the most talkative dimension within a node. Data-parallel ranks
 (dp_replicate x dp_shard of them) each read a different slice of every global batch.
+
+Expert parallelism splits dp_shard once more, for a mixture of experts' routed experts only:
+dp_shard = efsdp x ep, ep innermost (its ranks consecutive, as tp's: the all-to-all of tokens
+stays within a node where it can). The `expert_mesh` has the dimensions
+
+    pp, dp_replicate, efsdp, ep, tp
+
+over the same ranks: an ep group holds the experts between them (each rank n_experts / ep of
+them), and the ranks holding the same experts (efsdp x dp_replicate of them) shard and reduce them
+as FSDP does the rest of the model over dp_shard.
 """
 
 from __future__ import annotations
@@ -28,6 +38,8 @@ class ParallelDims:
     dp_shard: int
     tp: int
     pp: int
+    ep: int = 1
+    """Expert-parallel degree, carved out of dp_shard (not a dimension of `build_mesh`'s mesh)."""
 
     @property
     def world_size(self) -> int:
@@ -40,6 +52,12 @@ class ParallelDims:
 
     def sizes(self) -> dict[str, int]:
         return {name: getattr(self, name) for name in MESH_DIMS}
+
+    def label(self, sep: str = " ", skip_ones: bool = True) -> str:
+        """"dp_shard 2 (ep 2) x tp 2": the degrees above 1 (or all), ep beside the dp_shard it splits."""
+        parts = [f"{k}{sep}{v}" + (f" (ep{sep}{self.ep})" if k == "dp_shard" and self.ep > 1 else "")
+                 for k, v in self.sizes().items() if v > 1 or not skip_ones]
+        return " x ".join(parts)
 
     def coordinate(self, rank: int) -> dict[str, int]:
         """This rank's index along each mesh dimension (row-major, tp innermost)."""
@@ -58,6 +76,15 @@ class ParallelDims:
 
         return init_device_mesh(device_type, tuple(self.sizes().values()), mesh_dim_names=MESH_DIMS)
 
+    @property
+    def efsdp(self) -> int:
+        """Ranks of dp_shard holding the same experts (experts FSDP-shard over them)."""
+        return self.dp_shard // self.ep
+
+    def expert_mesh(self, mesh):
+        """`mesh` with dp_shard split into (efsdp, ep), ep innermost (the module docstring)."""
+        return mesh._unflatten("dp_shard", (self.efsdp, self.ep), ("efsdp", "ep"))
+
 
 def resolve_dims(parallel: ParallelConfig, world_size: int, where: str) -> ParallelDims:
     """The layout for `world_size` ranks: -1 filled in, then the checks of `[parallel]` alone
@@ -74,7 +101,7 @@ def resolve_dims(parallel: ParallelConfig, world_size: int, where: str) -> Paral
                 where=f"{where}: parallel.{rest}",
             )
         degrees[rest] = world_size // known
-    dims = ParallelDims(degrees["dp_replicate"], degrees["dp_shard"], degrees["tp"], degrees["pp"])
+    dims = ParallelDims(degrees["dp_replicate"], degrees["dp_shard"], degrees["tp"], degrees["pp"], p.ep)
     if dims.world_size != world_size:
         layout = " x ".join(f"{k}={v}" for k, v in dims.sizes().items())
         raise TrainbookError(f"{layout} = {dims.world_size} ranks, but the world size is {world_size}",
@@ -82,6 +109,15 @@ def resolve_dims(parallel: ParallelConfig, world_size: int, where: str) -> Paral
     if p.data_parallel == "ddp" and dims.dp_shard != 1:
         raise TrainbookError(f"ddp replicates whole models: it needs dp_shard = 1, not {dims.dp_shard}",
                              where=f"{where}: parallel.data_parallel")
+    if dims.dp_shard % dims.ep:
+        raise TrainbookError(f"expert parallelism is carved out of dp_shard: ep = {dims.ep} must divide "
+                             f"dp_shard = {dims.dp_shard}", where=f"{where}: parallel.ep")
+    if dims.ep > 1 and dims.tp > 1:
+        raise TrainbookError(f"expert parallelism with tensor parallelism (tp = {dims.tp}) is not built yet; "
+                             "use tp = 1 with ep > 1", where=f"{where}: parallel.ep")
+    if dims.ep > 1 and dims.pp > 1:
+        raise TrainbookError(f"expert parallelism with pipeline parallelism (pp = {dims.pp}) is not built yet; "
+                             "use pp = 1 with ep > 1", where=f"{where}: parallel.ep")
     if dims.pp > 1:
         _check_schedule(p, dims, where)
     return dims

@@ -24,10 +24,12 @@ import torch
 from torch import nn
 
 from trainbook.model import build_model, num_params
+from trainbook.model.count import count
+from trainbook.model.moe import is_moe_layer
 from trainbook.model.lora import apply_lora
 from trainbook.parallel.dims import MESH_DIMS, ParallelDims, pipeline_microbatches
 from trainbook.parallel.plan_memory import (
-    PlanInputs, block_numel, compute_bytes, human, memory, numel, rank_of, residual_bytes,
+    PlanInputs, block_numel, compute_bytes, human, memory, numel, rank_of, residual_bytes, routed_numel,
 )
 
 ADAM_STEP_BYTES = 4  # AdamW's per-parameter `step`: a float32 scalar tensor
@@ -162,7 +164,7 @@ def make_plan(cfg: PlanInputs, dims: ParallelDims, device_memory: int | None = N
         "model": {"name": m.name, "family": m.family, "params": num_params(model), "n_layers": m.n_layers,
                   "dim": m.dim, "n_heads": m.n_heads, "n_kv_heads": m.n_kv_heads, "head_dim": m.head_dim,
                   "qkv_bias": m.qkv_bias, "qk_norm": m.qk_norm, "ffn_dim": m.ffn_dim,
-                  "vocab_size": m.vocab_size, "tie_embeddings": m.tie_embeddings},
+                  "vocab_size": m.vocab_size, "tie_embeddings": m.tie_embeddings, **_experts(cfg, dims)},
         "precision": {"weights": "fp32", "compute": cfg.dtype},
         "lora": _lora(cfg),
         "mesh": _mesh(dims, cfg),
@@ -173,6 +175,16 @@ def make_plan(cfg: PlanInputs, dims: ParallelDims, device_memory: int | None = N
     }
     plan["memory"] = memory(ranks, dims, cfg, plan["pipeline"], device_memory)
     return plan
+
+
+def _experts(cfg: PlanInputs, dims: ParallelDims) -> dict:
+    """A mixture of experts: its experts, how many each rank holds, and the parameters one token
+    passes through (what MFU counts); nothing for a dense model."""
+    m = cfg.model
+    if m.n_experts is None:
+        return {}
+    return {"n_experts": m.n_experts, "experts_per_token": m.n_experts_per_token,
+            "experts_per_rank": m.n_experts // dims.ep, "active_params": count(m).active}
 
 
 def _lora(cfg: PlanInputs) -> dict | None:
@@ -243,10 +255,31 @@ def _mesh(dims: ParallelDims, cfg: PlanInputs) -> dict:
         groups[name] = list(by_rest.values())
     for rank in range(dims.world_size):  # ranks reading the same data: one data-parallel rank
         dp_groups.setdefault(dims.dp_rank(rank), []).append(rank)
-    return {"sizes": dims.sizes(), "roles": {k: roles[k] for k in MESH_DIMS if getattr(dims, k) > 1},
-            "groups": {k: v for k, v in groups.items() if getattr(dims, k) > 1},
+    active = {k: roles[k] for k in MESH_DIMS if getattr(dims, k) > 1}
+    groups = {k: v for k, v in groups.items() if getattr(dims, k) > 1}
+    if dims.ep > 1:  # dp_shard split for the routed experts (ParallelDims.expert_mesh)
+        experts = cfg.model.n_experts
+        active["ep"] = (f"expert parallel: {experts // dims.ep} of {experts} routed experts per rank, tokens "
+                        "sent to their experts' ranks and back (all-to-all)")
+        groups["ep"] = _split_groups(dims, lambda shard: shard // dims.ep)
+        if dims.efsdp * dims.dp_replicate > 1:
+            active["efsdp"] = "ranks holding the same experts: FSDP2 shards them (all-gather, reduce-scatter)"
+            groups["efsdp"] = _split_groups(dims, lambda shard: shard % dims.ep, replicas=True)
+    return {"sizes": dims.sizes() | ({"ep": dims.ep, "efsdp": dims.efsdp} if dims.ep > 1 else {}),
+            "roles": active, "groups": groups,
             "coordinates": [dims.coordinate(r) | {"dp_rank": dims.dp_rank(r)} for r in range(dims.world_size)],
             "same_data": list(dp_groups.values())}
+
+
+def _split_groups(dims: ParallelDims, key, replicas: bool = False) -> list[list[int]]:
+    """Ranks grouped by everything but their place in dp_shard, and `key` of that place (and, with
+    `replicas`, not by dp_replicate either)."""
+    by: dict[tuple, list[int]] = {}
+    for rank in range(dims.world_size):
+        c = dims.coordinate(rank)
+        rest = (c["pp"], c["tp"], key(c["dp_shard"])) + (() if replicas else (c["dp_replicate"],))
+        by.setdefault(rest, []).append(rank)
+    return list(by.values())
 
 
 def _pipeline(model: nn.Module, dims: ParallelDims, cfg: PlanInputs) -> dict | None:
@@ -276,8 +309,10 @@ def _params(ranks: dict[int, dict], dims: ParallelDims) -> list[dict]:
     for rank in sorted(ranks):
         for name, d in ranks[rank]["params"].items():
             if name not in out:
-                placements = {k: d["placements"].get(k, "Replicate") for k in ("dp_replicate", "dp_shard", "tp")
-                              if getattr(dims, k) > 1}
+                # Expert-parallel experts live on (efsdp, ep), the two parts of dp_shard.
+                split = "ep" in d["placements"]
+                dims_of = ("dp_replicate", "efsdp", "ep", "tp") if split else ("dp_replicate", "dp_shard", "tp")
+                placements = {k: d["placements"].get(k, "Replicate") for k in dims_of if getattr(dims, k) > 1}
                 if dims.pp > 1:
                     placements["pp"] = f"pp rank {ranks[rank]['pp']}"
                 out[name] = {"name": name, "shape": d["shape"], "placements": placements, "first_rank": rank,
@@ -309,7 +344,8 @@ def _gradient_path(dims: ParallelDims, cfg: PlanInputs) -> list[dict]:
     c = compute_bytes(cfg)
     accum = t.grad_accum_steps(dims.dp)
     matrices, gains = block_numel(cfg, dims.tp)
-    block = matrices + gains
+    # Expert parallelism gathers and reduces the routed experts over efsdp only (_expert_path).
+    block = matrices + gains - (routed_numel(cfg) if dims.ep > 1 else 0)
     root = (1 if m.tie_embeddings and dims.pp == 1 else 2) * m.vocab_size * m.dim // dims.tp + m.dim
     n_mb = pipeline_microbatches(p, dims.pp) if dims.pp > 1 else 1
     tokens = t.micro_batch_size // n_mb * t.seq_len  # (B, T) of one micro-batch (pipeline chunk)
@@ -352,6 +388,8 @@ def _gradient_path(dims: ParallelDims, cfg: PlanInputs) -> list[dict]:
         path.append({"dim": "tp", "op": "all-reduce", "bytes": (m.n_layers * gains + m.dim) * 4, "per": "step",
                      "text": f"norm-gain gradients{qk} are partial sums (Partial) on each tp rank: all-reduced "
                              "when clipping and the optimizer read them"})
+    if dims.ep > 1:
+        path += _expert_path(dims, cfg, tokens, accum)
     if dims.pp > 1:
         act = tokens // dims.tp * m.dim * r
         path.append({"dim": "pp", "op": "send/recv", "bytes": act, "per": "micro-batch",
@@ -363,6 +401,35 @@ def _gradient_path(dims: ParallelDims, cfg: PlanInputs) -> list[dict]:
             path.append({"dim": "pp", "op": "send/recv", "bytes": m.vocab_size * m.dim * 4 // dims.tp, "per": "step",
                          "text": "tied embedding: the first and last stage exchange the embedding / head "
                                  "gradient shards once per step and both add them"})
+    return path
+
+
+def _expert_path(dims: ParallelDims, cfg: PlanInputs, tokens: int, accum: int) -> list[dict]:
+    """Expert parallelism's all-to-alls: each MoE layer sends every (token, expert) row of a
+    micro-batch to its expert's rank and the output back, in forward, again for the gradients in
+    backward, and once more in a checkpointed block's recompute; (ep - 1) / ep of the rows leave
+    the rank when the load is even."""
+    m, t = cfg.model, cfg.train
+    c = compute_bytes(cfg)
+    layers = sum(is_moe_layer(m, i) for i in range(m.n_layers))
+    rows = tokens * m.n_experts_per_token * m.dim * c  # one micro-batch's rows of one layer, one way
+    passes = 4 + (2 if t.activation_checkpoint != "none" else 0)  # dispatch + combine, forward and backward
+    off_rank = rows * (dims.ep - 1) // dims.ep
+    per_step = off_rank * passes * layers * accum
+    recompute = ", again in the recomputed forward" if t.activation_checkpoint != "none" else ""
+    text = (f"all-to-all per MoE layer and micro-batch: each token's {m.n_experts_per_token} rows "
+            f"({human(rows)} in {_dtype(c, cfg)}) to their experts' ranks and the outputs back, in forward, "
+            f"for the gradients in backward{recompute}; {human(off_rank)} of each leave the rank when the load is "
+            f"even: {human(per_step)} sent per rank per step ({layers} MoE layers x {passes} x {accum} pass(es)), "
+            f"plus each layer's token counts ({m.n_experts} int64) before each exchange")
+    path = [{"dim": "ep", "op": "all-to-all", "bytes": per_step, "per": "step", "text": text}]
+    if dims.efsdp * dims.dp_replicate > 1:
+        held = routed_numel(cfg) // dims.ep
+        path.append({"dim": "efsdp", "op": "all-gather + reduce-scatter", "bytes": held * c, "per": "block",
+                     "text": f"each MoE block's {m.n_experts // dims.ep} experts of this rank ({human(held * c)} in "
+                             f"{_dtype(c, cfg)}) gathered before forward and backward, their gradient reduce-scattered "
+                             f"({human(held * 4)} in fp32) over the {dims.efsdp * dims.dp_replicate} ranks holding "
+                             "them (the dp_shard figures above leave the routed experts out)"})
     return path
 
 

@@ -18,6 +18,7 @@ from trainbook.sizes import human
 
 __all__ = [
     "PlanInputs", "activation_terms", "activations", "block_numel", "compute_bytes", "human", "kv_cache_bytes",
+    "routed_numel",
     "memory", "numel", "rank_of", "reference_bytes", "residual_bytes", "schedule_actions", "weight_casts",
 ]
 
@@ -65,11 +66,18 @@ def compute_bytes(cfg: PlanInputs) -> int:
     return 4 if cfg.dtype == "fp32" else 2  # bf16 (or fp16)
 
 
-def block_numel(cfg: PlanInputs, tp: int) -> tuple[int, int]:
+def block_numel(cfg: PlanInputs, tp: int, ep: int = 1) -> tuple[int, int]:
     """(elements per block tp splits, on one tp rank: projections and their biases; elements every
-    rank holds whole: norm gains, q/k norms), from the model's one count (`model/count.py`)."""
+    rank holds whole: norm gains, q/k norms), from the model's one count (`model/count.py`). With
+    expert parallelism a rank gathers only its n_experts / ep routed experts."""
     c = count(cfg.model)
-    return c.block_sharded // tp, c.block_replicated
+    return (c.block_sharded - routed_numel(cfg) * (ep - 1) // ep) // tp, c.block_replicated
+
+
+def routed_numel(cfg: PlanInputs) -> int:
+    """The routed experts' elements in one MoE block (0 for a dense model)."""
+    m = cfg.model
+    return 3 * m.n_experts * m.expert_ffn_dim * m.dim if m.n_experts else 0
 
 
 # ---- memory ------------------------------------------------------------------------------------
@@ -258,7 +266,7 @@ def _transient(cfg: PlanInputs, dims: ParallelDims, held: dict, grads: int) -> i
     if cfg.parallel.data_parallel == "ddp":
         return grads
     pd = compute_bytes(cfg)
-    matrices, gains = block_numel(cfg, dims.tp)
+    matrices, gains = block_numel(cfg, dims.tp, dims.ep)
     names = held["params"]
     root = sum(numel(d["shape"]) // (dims.tp if "tp" in d["placements"] and d["placements"]["tp"] != "Replicate"
                                      else 1)

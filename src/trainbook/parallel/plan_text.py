@@ -17,12 +17,17 @@ def render(plan: dict) -> str:
              f"model {m['name']}: {m['params']:,} parameters ({m['family']}, {m['n_layers']} layers, dim {m['dim']}, "
              f"{m['n_heads']} heads / {m['n_kv_heads']} kv heads of {m['head_dim']}, ffn {m['ffn_dim']}, "
              f"vocab {m['vocab_size']}{options}); weights fp32, compute {plan['precision']['compute']}", ""]
+    if "n_experts" in m:
+        lines[-1:-1] = [f"mixture of experts: {m['n_experts']} routed experts, {m['experts_per_token']} per token, "
+                        f"{m['experts_per_rank']} held per rank; {m['active_params']:,} parameters active per token "
+                        "(what MFU counts)"]
     if plan.get("lora"):
         lora = plan["lora"]
         lines[-1:-1] = [f"LoRA rank {lora['rank']}, alpha {lora['alpha']:g}: {lora['trainable_params']:,} adapter "
                         "parameters train; the base is frozen (its weights held, no gradients, no optimizer state)"]
 
-    layout = " x ".join(f"{k} {v}" for k, v in sizes.items())
+    layout = " x ".join(f"{k} {v}" + (f" (= efsdp {sizes['efsdp']} x ep {sizes['ep']})" if k == "dp_shard" and
+                                       "ep" in sizes else "") for k, v in sizes.items() if k not in ("ep", "efsdp"))
     lines += [f"Mesh: {layout} (rank = row-major over pp, dp_replicate, dp_shard, tp; tp innermost)"]
     for name, role in mesh["roles"].items():
         lines.append(f"  {name:<13}{sizes[name]:>4}  {role}: {_groups(mesh['groups'][name])}")

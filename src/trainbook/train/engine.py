@@ -53,13 +53,20 @@ def clip_grad_norm(params: list[nn.Parameter], max_norm: float) -> torch.Tensor:
     """Clip to the global gradient norm, the norm over every shard and rank.
 
     In one process this is exactly `nn.utils.clip_grad_norm_`. Sharded gradients (FSDP, TP) are
-    DTensors whose norm DTensor reduces over their mesh.
+    DTensors whose norm DTensor reduces over their mesh; gradients on different meshes (expert
+    parallelism's experts beside the rest) are normed mesh by mesh, then combined.
     """
     grads = [p.grad for p in params if p.grad is not None]
-    norm = nn.utils.get_total_norm(grads)
-    if isinstance(norm, DTensor):
-        norm = norm.full_tensor()
-    nn.utils.clip_grads_with_norm_(params, max_norm, norm)
+    by_mesh: dict[object, list[torch.Tensor]] = {}
+    for g in grads:
+        by_mesh.setdefault(g.device_mesh if isinstance(g, DTensor) else None, []).append(g)
+    norms = []
+    for group in by_mesh.values():
+        norm = nn.utils.get_total_norm(group)
+        norms.append(norm.full_tensor() if isinstance(norm, DTensor) else norm)
+    norm = norms[0] if len(norms) == 1 else torch.linalg.vector_norm(torch.stack(norms))
+    for group in by_mesh.values():  # one foreach multiply per mesh (DTensor ops stay within one)
+        nn.utils.clip_grads_with_norm_(group, max_norm, norm)
     return norm
 
 

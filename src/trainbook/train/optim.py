@@ -9,7 +9,8 @@ from trainbook.config import OptimConfig
 
 
 def param_groups(model: nn.Module, decay_all: bool, embeddings: tuple = ()) -> list[dict]:
-    """Split trainable parameters by role, found from module types, never from names.
+    """Split trainable parameters by role, found from module types, never from names (and by
+    mesh, for sharded ones).
 
     `embeddings`: parameters that are embeddings without an nn.Embedding module around them (a
     pipeline's last-stage copy of a tied embedding is the output head's weight).
@@ -22,11 +23,16 @@ def param_groups(model: nn.Module, decay_all: bool, embeddings: tuple = ()) -> l
                 no_decay_ids.update(id(p) for p in module.parameters(recurse=False))
         # Norm weights, biases, gains: every vector.
         no_decay_ids.update(id(p) for p in model.parameters() if p.ndim < 2)
-    decay, no_decay = [], []
+    groups: dict[tuple, dict] = {}
     for p in model.parameters():  # tied weights appear once
         if p.requires_grad:
-            (no_decay if id(p) in no_decay_ids else decay).append(p)
-    return [{"params": decay, "use_decay": True}, {"params": no_decay, "use_decay": False}]
+            # One group per mesh too: AdamW's foreach kernels run a group's tensors together, and a
+            # DTensor op takes tensors of one mesh (expert parallelism's experts have their own).
+            decay = id(p) not in no_decay_ids
+            key = (decay, getattr(p, "device_mesh", None))
+            groups.setdefault(key, {"params": [], "use_decay": decay})["params"].append(p)
+    ordered = sorted(groups.items(), key=lambda kv: not kv[0][0])  # decay first, then by first appearance
+    return [g for _, g in ordered] or [{"params": [], "use_decay": True}]
 
 
 def build_optimizer(model: nn.Module, cfg: OptimConfig, embeddings: tuple = ()) -> torch.optim.AdamW:

@@ -144,7 +144,7 @@ class Trainer:
 
     def _announce(self) -> None:
         t, dims, s = self.cfg.train, self.rt.dims, self.settled
-        layout = " x ".join(f"{k} {v}" for k, v in dims.sizes().items() if v > 1) or "one process"
+        layout = dims.label() or "one process"
         pairs = " pairs x 2 rows" if self.cfg.dpo_enabled else ""
         self._message(
             f"run {self.paths.root} | model {self.cfg.model.name}: {num_params(self.model):,} parameters "
