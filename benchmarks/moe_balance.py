@@ -29,6 +29,7 @@ MODES = {
 
 
 def train(overrides: list[str], steps: int, cache: Path, out: Path) -> dict:
+    """One run of the recipe (`overrides`: its key=value overrides and any `trainbook run` option)."""
     cmd = [sys.executable, "-m", "trainbook", "run", str(RECIPE), f"train.max_steps={steps}", "log.every_steps=5",
            "train.eval_every=0", f"data.cache_dir={cache}", "--run-dir", str(out), *overrides]
     done = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
@@ -40,7 +41,8 @@ def train(overrides: list[str], steps: int, cache: Path, out: Path) -> dict:
               if json.loads(line)["kind"] == "alert"]
     return {"loss": train[-1]["loss"], "imbalance": statistics.mean(r["moe_imbalance"] for r in late),
             "idle": statistics.mean(r["moe_idle_frac"] for r in late),
-            "alerts": ", ".join(sorted(set(alerts))) or "-", "step_s": statistics.median(r["step_time_s"] for r in train)}
+            "alerts": ", ".join(sorted(set(alerts))) or "-", "step_s": statistics.median(r["step_time_s"] for r in train),
+            "tokens_per_s": statistics.median(r["tokens_per_s"] for r in train[1:])}
 
 
 def main() -> None:

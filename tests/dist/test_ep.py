@@ -3,8 +3,11 @@
 
 In fp64 (the routers and the combine in fp32, as always), so the only differences left are the
 order of sums (a rank's experts add their rows from both ranks in one matmul; FSDP averages the
-rest) and AdamW's 1 / sqrt(v), which magnifies them in near-zero gradients: measured here, loss
-3e-10, gradient norm 1.3e-8, parameters 7e-7 (an expert's w2, max |a - b| / max |b|) after step 3.
+rest), the fp32 combine rounding fp64 outputs that differ in their last bits to different fp32
+ones now and then, and AdamW's 1 / sqrt(v), which magnifies all of it in near-zero gradients:
+measured here, loss 2.2e-10, gradient norm 1.1e-8, parameters 8.2e-8 (the worst tensor's
+|a - b| / |b|, a router gate) and 8.2e-7 element-wise (max |a - b| / max |b|, an expert's w2)
+after step 3, with clipping to 1.0 active in every step (the norms are ~5).
 In fp32 the same comparison leaves the parameters ~4e-4 apart after 3 steps at lr 1e-3 in this
 tiny batch, through AdamW alone (plain FSDP over 2 ranks does the same); the CLI test in
 tests/e2e/test_moe.py holds the fp32 recipe to the layouts' bounds.
@@ -54,8 +57,10 @@ def test_two_expert_parallel_ranks_train_as_one_process(ranks):
         assert torch.equal(ep["counts"], ref["counts"]), step  # every router, every expert: the same tokens
     ref, ep = first["ref"]["state"], first["ep"]["state"]
     assert ref.keys() == ep.keys()
-    worst = max((_relative(ep[k], ref[k]), k) for k in ref if "expert_bias" not in k)
+    worst = max((((ep[k] - ref[k]).norm() / ref[k].norm()).item(), k) for k in ref if "expert_bias" not in k)
     assert worst[0] <= REL, worst
+    worst = max((_relative(ep[k], ref[k]), k) for k in ref if "expert_bias" not in k)
+    assert worst[0] <= 2 * REL, worst
     biases = [k for k in ref if k.endswith("expert_bias")]
     assert len(biases) == 3 and all(torch.equal(ep[k], ref[k]) for k in biases)
     assert any(ref[k].abs().sum() > 0 for k in biases)  # the bias rule moved them

@@ -56,13 +56,13 @@ def clip_grad_norm(params: list[nn.Parameter], max_norm: float) -> torch.Tensor:
     DTensors whose norm DTensor reduces over their mesh; gradients on different meshes (expert
     parallelism's experts beside the rest) are normed mesh by mesh, then combined.
     """
-    grads = [p.grad for p in params if p.grad is not None]
-    by_mesh: dict[object, list[torch.Tensor]] = {}
-    for g in grads:
-        by_mesh.setdefault(g.device_mesh if isinstance(g, DTensor) else None, []).append(g)
+    by_mesh: dict[object, list[nn.Parameter]] = {}
+    for p in params:
+        if p.grad is not None:
+            by_mesh.setdefault(p.grad.device_mesh if isinstance(p.grad, DTensor) else None, []).append(p)
     norms = []
     for group in by_mesh.values():
-        norm = nn.utils.get_total_norm(group)
+        norm = nn.utils.get_total_norm([p.grad for p in group])
         norms.append(norm.full_tensor() if isinstance(norm, DTensor) else norm)
     norm = norms[0] if len(norms) == 1 else torch.linalg.vector_norm(torch.stack(norms))
     for group in by_mesh.values():  # one foreach multiply per mesh (DTensor ops stay within one)

@@ -70,3 +70,22 @@ def test_optimizer_state_round_trips_by_parameter_name():
     for name, p in model.named_parameters():
         if name in state:
             assert torch.equal(fresh.state[p]["exp_avg_sq"], opt.state[p]["exp_avg_sq"])
+
+
+def test_clipping_scales_every_gradient_to_the_norm_as_torch_does():
+    """The engines' clip (train/engine.py, which norms each mesh's gradients apart) is torch's
+    clip_grad_norm_ on one process: the same norm returned, every gradient scaled alike."""
+    from trainbook.train.engine import clip_grad_norm
+
+    torch.manual_seed(0)
+    ours, theirs = (nn.Sequential(nn.Linear(4, 8), nn.Linear(8, 3)) for _ in range(2))
+    theirs.load_state_dict(ours.state_dict())
+    ours(torch.randn(5, 4)).square().sum().backward()
+    for p, q in zip(ours.parameters(), theirs.parameters()):
+        q.grad = p.grad.clone()
+    norm = clip_grad_norm(list(ours.parameters()), 0.5)
+    expected = nn.utils.clip_grad_norm_(list(theirs.parameters()), 0.5)
+    assert norm > 0.5 and torch.equal(norm, expected)
+    for p, q in zip(ours.parameters(), theirs.parameters()):
+        assert torch.equal(p.grad, q.grad)
+    assert torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in ours.parameters()])) == pytest.approx(0.5)

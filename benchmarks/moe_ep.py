@@ -1,0 +1,44 @@
+"""Expert parallelism against one process and against plain FSDP on the same ranks, side by side in
+one invocation: the tiny MoE recipe (recipes/moe-tiny-shakespeare.toml, without balancing so every
+layout computes the same numbers) with the same global batch in each layout; the median step time
+and tokens/s (global) after the first step, the ratio to one process, and the final loss.
+
+    .venv/bin/python benchmarks/moe_ep.py [--steps 30] [--cache /tmp/moe-bench-cache]
+
+On a CPU the 2 ranks share the machine's cores (each process one thread): the figure is the cost of
+the layout's communication and bookkeeping, not a speed-up.
+"""
+
+from __future__ import annotations
+
+import argparse
+import tempfile
+from pathlib import Path
+
+from moe_balance import train
+
+LAYOUTS = {
+    "one process": [],
+    "fsdp x 2": ["--nproc", "2"],
+    "ep x 2 (fsdp 2)": ["parallel.ep=2", "--nproc", "2"],
+    "ep x 2, full AC": ["parallel.ep=2", "train.activation_checkpoint=full", "--nproc", "2"],
+}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--steps", type=int, default=30)
+    p.add_argument("--cache", type=Path, default=Path(tempfile.gettempdir()) / "moe-bench-cache")
+    args = p.parse_args()
+    with tempfile.TemporaryDirectory() as tmp:
+        rows = {name: train(["moe.balance=none", *o], args.steps, args.cache, Path(tmp) / str(i))
+                for i, (name, o) in enumerate(LAYOUTS.items())}
+    base = rows["one process"]["tokens_per_s"]
+    print(f"moe-tiny-shakespeare, balance none, {args.steps} steps x 2,048 tokens; medians after step 1")
+    print(f"{'layout':<18} {'step s':>7} {'tokens/s':>9} {'vs one':>7} {'final loss':>11}")
+    for name, r in rows.items():
+        print(f"{name:<18} {r['step_s']:7.3f} {r['tokens_per_s']:9.0f} {r['tokens_per_s'] / base:7.2f} {r['loss']:11.6f}")
+
+
+if __name__ == "__main__":
+    main()
