@@ -134,7 +134,7 @@ log "peer: $peer"
 if ! leg cuda; then
   log "cuda paths: skipped (--legs)"
 elif [[ $dry == 1 ]]; then
-  log "cuda paths: skipped (--dry-run: pinned-memory loader, NCCL + flight recorder, OOM memory snapshot)"
+  log "cuda paths: skipped (--dry-run: pinned-memory loader, NCCL + flight recorder, OOM memory snapshot, MoE bf16 grouped_mm)"
   echo "skipped (--dry-run)" > "$OUT/cuda-paths.txt"
 else
   : > "$OUT/cuda-paths.txt"
@@ -154,6 +154,14 @@ else
     echo "oom memory snapshot: ok ($(basename "$snap"), $(stat -c %s "$snap") bytes)" >> "$OUT/cuda-paths.txt"
   else
     echo "oom memory snapshot: FAILED (none under oom/)" >> "$OUT/cuda-paths.txt"
+  fi
+  # The MoE recipe in bf16: torch._grouped_mm's CUDA kernel (sm90+; a loop of matmuls elsewhere),
+  # the fp32 router and combine. Expert parallelism's NCCL all-to-all needs 2 GPUs: not on this one.
+  if tb run --no-check "$repo/recipes/moe-tiny-shakespeare.toml" run.device=cuda precision.dtype=bf16 \
+       train.max_steps=10 train.eval_every=0 --run-dir "$work/moe" >>"$OUT/suite.log" 2>&1; then
+    echo "moe bf16 grouped_mm: ok (10 steps)" >> "$OUT/cuda-paths.txt"
+  else
+    echo "moe bf16 grouped_mm: FAILED" >> "$OUT/cuda-paths.txt"
   fi
   cat "$OUT/cuda-paths.txt" | tee -a "$OUT/suite.log"
 fi
