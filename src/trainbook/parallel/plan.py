@@ -60,6 +60,17 @@ def _coords(dims: ParallelDims) -> list[dict[str, int]]:
             for p in range(sizes["pp"]) for s in shard for t in tp]
 
 
+_SIMULATED: dict[str, dict[int, dict]] = {}
+"""`simulate`'s results in this process, by what placement depends on (`_placement_key`): a plan
+whose micro-batch is `auto` places the model once for the choice and once for the plan."""
+
+
+def _placement_key(cfg: PlanInputs, dims: ParallelDims) -> str:
+    """What placement depends on: the layout, the model, the adapters, how blocks are wrapped,
+    the dtype frozen projections are held in (not the batch)."""
+    return repr((dims, cfg.model, cfg.lora, cfg.parallel, cfg.train.activation_checkpoint, cfg.dtype))
+
+
 def simulate(cfg: PlanInputs, dims: ParallelDims) -> dict[int, dict]:
     """Rank -> what it holds, for the ranks of `_coords` (see `_simulate_rank`).
 
@@ -68,13 +79,19 @@ def simulate(cfg: PlanInputs, dims: ParallelDims) -> dict[int, dict]:
     """
     import torch.distributed as dist
 
+    key = _placement_key(cfg, dims)
+    if key in _SIMULATED:
+        return _SIMULATED[key]
     if dist.is_available() and dist.is_initialized():
         import multiprocessing
         from concurrent.futures import ProcessPoolExecutor
 
         with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
-            return pool.submit(_simulate_all, cfg, dims).result()
-    return _simulate_all(cfg, dims)
+            placed = pool.submit(_simulate_all, cfg, dims).result()
+    else:
+        placed = _simulate_all(cfg, dims)
+    _SIMULATED[key] = placed
+    return placed
 
 
 def _simulate_all(cfg: PlanInputs, dims: ParallelDims) -> dict[int, dict]:
@@ -101,8 +118,8 @@ def _simulate_rank(cfg: PlanInputs, dims: ParallelDims, rank: int) -> dict:
     # parameter as it is: simulate without it.
     run_dims = dataclasses.replace(dims, dp_replicate=1) if cfg.parallel.data_parallel == "ddp" else dims
     fsdp = run_dims.dp > 1
-    opts = ApplyOptions(cfg.train.activation_checkpoint, cfg.train.compile is True, cfg.parallel.data_parallel,
-                        fsdp_policy(cfg.dtype))
+    # Compiling a block wraps its forward and places nothing: left out (it costs seconds at 80 blocks).
+    opts = ApplyOptions(cfg.train.activation_checkpoint, False, cfg.parallel.data_parallel, fsdp_policy(cfg.dtype))
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=dims.world_size)
     try:
         with warnings.catch_warnings():
@@ -213,7 +230,8 @@ def largest_fitting(cfg: PlanInputs, dims: ParallelDims, micro_batch_sizes: list
 def memory_estimates(cases: list[tuple[PlanInputs, ParallelDims]], device_memory: int | None) -> list[dict]:
     """The plan's memory (`make_plan(...)["memory"]`) of each (recipe, layout) case, placement
     simulated once per distinct layout. Inside a distributed job (the real process group must be
-    left alone) all of it runs in one spawned process, as `simulate` would once per case."""
+    left alone) all of it runs in one spawned process, as `simulate` would once per case; a
+    layout placed once serves every case that shares it (`_SIMULATED`)."""
     import torch.distributed as dist
 
     if dist.is_available() and dist.is_initialized():
@@ -226,15 +244,10 @@ def memory_estimates(cases: list[tuple[PlanInputs, ParallelDims]], device_memory
 
 
 def _memory_estimates(cases: list[tuple[PlanInputs, ParallelDims]], device_memory: int | None) -> list[dict]:
-    placed: dict[str, dict[int, dict]] = {}
     out = []
     for cfg, dims in cases:
-        # What placement depends on: the layout, the model and how blocks are wrapped.
-        key = repr((dims, cfg.model, cfg.parallel, cfg.train.activation_checkpoint, cfg.train.compile, cfg.dtype))
-        if key not in placed:
-            placed[key] = simulate(cfg, dims)
         model = build_model(cfg.model, "meta", seed=0)
-        out.append(memory(placed[key], dims, cfg, _pipeline(model, dims, cfg), device_memory))
+        out.append(memory(simulate(cfg, dims), dims, cfg, _pipeline(model, dims, cfg), device_memory))
     return out
 
 
