@@ -57,6 +57,12 @@ class _Held:
         self.release()
 
 
+def _plain(t: torch.Tensor) -> torch.Tensor:
+    while hasattr(t, "__tensor_flatten__"):  # DTensor, AsyncCollectiveTensor: the plain tensor
+        t = getattr(t, t.__tensor_flatten__()[0][0])
+    return t
+
+
 class SavedBytes(torch.autograd.graph.saved_tensors_hooks):
     """The peak, while active, of the bytes of the distinct storages kept for backward: what
     autograd saves (parameters, their views, FSDP's gathered parameters and the RoPE buffers not
@@ -68,6 +74,7 @@ class SavedBytes(torch.autograd.graph.saved_tensors_hooks):
 
     def __init__(self, modules: list[torch.nn.Module]):
         self.skip = {b.untyped_storage().data_ptr() for m in modules for b in m.buffers()}
+        self.modules = modules
         self.holders: dict[int, int] = {}  # storage address -> things holding it
         self.sizes: dict[int, int] = {}
         self.live = self.peak = 0
@@ -80,9 +87,7 @@ class SavedBytes(torch.autograd.graph.saved_tensors_hooks):
         return self.peak
 
     def hold(self, t: torch.Tensor) -> int | None:
-        while hasattr(t, "__tensor_flatten__"):  # DTensor, AsyncCollectiveTensor: the plain tensor
-            t = getattr(t, t.__tensor_flatten__()[0][0])
-        storage = t.untyped_storage()
+        storage = _plain(t).untyped_storage()
         key = storage.data_ptr()
         if key in self.skip:
             return None
@@ -100,9 +105,15 @@ class SavedBytes(torch.autograd.graph.saved_tensors_hooks):
                 del self.holders[key]
                 self.live -= self.sizes.pop(key)
 
+    def _param_storages(self) -> set[int]:
+        """The storages parameters have now (FSDP's gathered ones included; a DTensor parameter's
+        local tensor, which expert parallelism's experts compute with, is one of them)."""
+        return {_plain(p).untyped_storage().data_ptr() for m in self.modules for p in m.parameters()}
+
     def _pack(self, t: torch.Tensor) -> _Held:
         base = t._base if t._base is not None else t
-        key = None if isinstance(base, torch.nn.Parameter) else self.hold(t)
+        param = isinstance(base, torch.nn.Parameter) or _plain(t).untyped_storage().data_ptr() in self._param_storages()
+        key = None if param else self.hold(t)
         group = self.group
         if group is None:
             return _Held(t, lambda: self.drop(key))

@@ -62,11 +62,15 @@ TWO_RANKS = {
     # Expert parallel: 4 of the 8 experts per rank, each whole (no other rank holds them), the
     # rest FSDP2-sharded; every recompute exchanges tokens again.
     "moe-ep2-full": MOE + ["parallel.dp_shard=2", "parallel.ep=2", "train.activation_checkpoint=full"],
+    "moe-ep2-bf16": MOE + ["parallel.dp_shard=2", "parallel.ep=2", "precision.dtype=bf16"],
 }
 FOUR_RANKS = {
     "hsdp2x2-bf16": ["parallel.dp_replicate=2", "parallel.dp_shard=2", "precision.dtype=bf16"],
     "fsdp2-tp2-full": ["parallel.dp_shard=2", "parallel.tp=2", "train.activation_checkpoint=full"],
     "fsdp2-pp2": ["parallel.dp_shard=2", "parallel.pp=2", "parallel.pp_schedule=gpipe"],
+    # HSDP with expert parallel inside each replica: the experts on (dp_replicate, efsdp, ep).
+    "moe-hsdp2x2-ep2-bf16": MOE + ["parallel.dp_replicate=2", "parallel.dp_shard=2", "parallel.ep=2",
+                                   "precision.dtype=bf16"],
 }
 CASES = {name: COMMON + overrides for name, overrides in (TWO_RANKS | FOUR_RANKS).items()}
 
@@ -128,13 +132,21 @@ def test_plan_bytes_equal_what_each_rank_holds(measured, case, world_size):
 def test_activation_estimate_within_5_percent_of_what_is_kept(measured, case, world_size):
     """Pipelines: where in its schedule a rank holds the most (its in-flight micro-batches, by
     stage). What is left over is the input and target chunks: views of the whole batch, whose
-    storage is counted once rather than per micro-batch (under 0.2%)."""
+    storage is counted once rather than per micro-batch (under 0.2%).
+
+    Expert parallel: a rank runs the rows its experts were sent, more or fewer than its own
+    tokens' k each as the router's load falls (plan assumes an even load), so each rank's
+    activations are held within 15% and their sum over the ranks, where the rows sent and
+    received cancel, within 5%."""
     plan = json.loads(plan_command(RECIPE, CASES[case], world_size, None, as_json=True))
     mode = plan["memory"]["activation_checkpoint"]
+    per_rank = 0.15 if "parallel.ep=2" in CASES[case] else 0.05
+    estimates, actuals = [], []
     for rank, held in enumerate(measured[case]):
-        estimate = plan["memory"]["per_rank"][rank]["activations"][mode]["kept"]
-        actual = held["saved_bytes"]
-        assert abs(estimate - actual) <= 0.05 * actual, (case, rank, estimate, actual)
+        estimates.append(plan["memory"]["per_rank"][rank]["activations"][mode]["kept"])
+        actuals.append(held["saved_bytes"])
+        assert abs(estimates[-1] - actuals[-1]) <= per_rank * actuals[-1], (case, rank, estimates[-1], actuals[-1])
+    assert abs(sum(estimates) - sum(actuals)) <= 0.05 * sum(actuals), (case, estimates, actuals)
 
 
 @pytest.mark.parametrize("model", [[], QWEN3, MOE, MOE_SHARED], ids=["tiny", "qwen3", "moe", "moe-shared"])
