@@ -4,12 +4,16 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 import subprocess
 import sys
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+
+from tests.warm_cli import WarmCli
 
 REPO = Path(__file__).resolve().parents[1]
 RECIPES = REPO / "recipes"
@@ -253,11 +257,23 @@ def recipe(tmp_path: Path, debug_data: DebugData) -> Path:
     return write_recipe(tmp_path / "unit.toml", debug_data.corpus, cache_dir=debug_data.cache)
 
 
+WARM = WarmCli()
+"""This worker's warm `trainbook` (tests/warm_cli.py), started by the first `run_cli`."""
+
+
 def run_cli(
     *args: str, cwd: Path | None = None, timeout: float = 300, env: dict[str, str] | None = None
 ) -> subprocess.CompletedProcess:
-    """The real `trainbook` command in a subprocess (`env` adds to the environment)."""
+    """The real `trainbook` command in a subprocess (`env` adds to the environment): forked from
+    this worker's warm server where it can be (tests/warm_cli.py), else a fresh interpreter."""
     env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+    tmp = Path(tempfile.mkdtemp(prefix="trainbook-cli-"))
+    try:
+        done = WARM.run(list(args), cwd, env, timeout, tmp)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    if done is not None:
+        return done
     return subprocess.run(
         [sys.executable, "-m", "trainbook", *args],
         cwd=cwd, capture_output=True, text=True, timeout=timeout, env=env,
