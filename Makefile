@@ -39,8 +39,8 @@ run: $(STAMP)
 
 # Three workers on two cores: the suite's processes leave a core idle a good part of the time on
 # their own (rendezvous, start-up, timeouts, a hung rank's grace before torchrun kills it); a third
-# worker fills it, a fourth only adds contention (a clean clone's `.ci/run`, with the tests' warm
-# CLI, tests/warm_cli.py: 22 min 06 s with three, 23 min 44 s with four). Tests sharing a module fixture or a trained run keep to one worker. One
+# worker fills it; a fourth gains nothing (a clean clone's `.ci/run`, with the tests' warm CLI,
+# tests/warm_cli.py: 22 min 06 s and 23 min 26 s in two runs with three, 23 min 44 s with four). Tests sharing a module fixture or a trained run keep to one worker. One
 # thread a process (OMP_NUM_THREADS=1, which every trainbook and torchrun child inherits): beside
 # the other workers, an intra-op pool's threads spin waiting for one another on a busy core (200
 # fp32 steps of the debug model took 172 s of CPU on 2 threads there, 5.4 s on one). Tests marked
