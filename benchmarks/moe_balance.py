@@ -45,14 +45,21 @@ def train(overrides: list[str], steps: int, cache: Path, out: Path) -> dict:
             "tokens_per_s": statistics.median(r["tokens_per_s"] for r in train[1:])}
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--steps", type=int, default=60)
+def train_each(cases: dict[str, list[str]], doc: str, steps: int) -> tuple[int, dict[str, dict]]:
+    """Parse --steps and --cache, then `train` each case (name -> its overrides) in turn:
+    (steps, name -> its figures)."""
+    p = argparse.ArgumentParser(description=doc.splitlines()[0])
+    p.add_argument("--steps", type=int, default=steps)
     p.add_argument("--cache", type=Path, default=Path(tempfile.gettempdir()) / "moe-bench-cache")
     args = p.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
-        rows = {name: train(o, args.steps, args.cache, Path(tmp) / name.replace(" ", "-")) for name, o in MODES.items()}
-    print(f"moe-tiny-shakespeare, {args.steps} steps x 2,048 tokens; imbalance and idle: mean over the second half")
+        return args.steps, {name: train(o, args.steps, args.cache, Path(tmp) / str(i))
+                            for i, (name, o) in enumerate(cases.items())}
+
+
+def main() -> None:
+    steps, rows = train_each(MODES, __doc__, 60)
+    print(f"moe-tiny-shakespeare, {steps} steps x 2,048 tokens; imbalance and idle: mean over the second half")
     print(f"{'balance':<14} {'loss':>7} {'imbalance':>9} {'idle':>6} {'step s':>7}  alerts")
     for name, r in rows.items():
         print(f"{name:<14} {r['loss']:7.4f} {r['imbalance']:9.3f} {r['idle']:6.3f} {r['step_s']:7.3f}  {r['alerts']}")

@@ -11,11 +11,7 @@ the layout's communication and bookkeeping, not a speed-up.
 
 from __future__ import annotations
 
-import argparse
-import tempfile
-from pathlib import Path
-
-from moe_balance import train
+from moe_balance import train_each
 
 LAYOUTS = {
     "one process": [],
@@ -26,15 +22,9 @@ LAYOUTS = {
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--steps", type=int, default=30)
-    p.add_argument("--cache", type=Path, default=Path(tempfile.gettempdir()) / "moe-bench-cache")
-    args = p.parse_args()
-    with tempfile.TemporaryDirectory() as tmp:
-        rows = {name: train(["moe.balance=none", *o], args.steps, args.cache, Path(tmp) / str(i))
-                for i, (name, o) in enumerate(LAYOUTS.items())}
+    steps, rows = train_each({name: ["moe.balance=none", *o] for name, o in LAYOUTS.items()}, __doc__, 30)
     base = rows["one process"]["tokens_per_s"]
-    print(f"moe-tiny-shakespeare, balance none, {args.steps} steps x 2,048 tokens; medians after step 1")
+    print(f"moe-tiny-shakespeare, balance none, {steps} steps x 2,048 tokens; medians after step 1")
     print(f"{'layout':<18} {'step s':>7} {'tokens/s':>9} {'vs one':>7} {'final loss':>11}")
     for name, r in rows.items():
         print(f"{name:<18} {r['step_s']:7.3f} {r['tokens_per_s']:9.0f} {r['tokens_per_s'] / base:7.2f} {r['loss']:11.6f}")

@@ -257,6 +257,14 @@ def grouped_mm_runs(x: torch.Tensor, *weights: torch.Tensor) -> bool:
                for t in (x, *weights))  # fmt: skip
 
 
+def inverse_permutation(order: torch.Tensor) -> torch.Tensor:
+    """The permutation that undoes `order` (x[order][inverse] == x): gathers by it backward into
+    distinct rows, so their backward is deterministic."""
+    inverse = torch.empty_like(order)
+    inverse[order] = torch.arange(order.numel(), device=order.device)
+    return inverse
+
+
 def _local(w: torch.Tensor) -> torch.Tensor:
     return w.to_local() if isinstance(w, DTensor) else w
 
@@ -328,9 +336,7 @@ class MoE(nn.Module):
         else:
             out = self.exchange(self.experts, rows, routing.counts)
         # Back to (token, expert) order through the inverse permutation: a gather, not a scatter.
-        inverse = torch.empty_like(order)
-        inverse[order] = torch.arange(order.numel(), device=order.device)
-        out = out[inverse].view(n, k, -1)  # (N, k, dim)
+        out = out[inverse_permutation(order)].view(n, k, -1)  # (N, k, dim)
         weights = routing.weights  # (N, k) fp32
         y = out[:, 0].float() * weights[:, :1]  # (N, dim) fp32
         for j in range(1, k):  # one by one: the sum's order is fixed

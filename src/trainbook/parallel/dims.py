@@ -53,11 +53,10 @@ class ParallelDims:
     def sizes(self) -> dict[str, int]:
         return {name: getattr(self, name) for name in MESH_DIMS}
 
-    def label(self, sep: str = " ", skip_ones: bool = True) -> str:
-        """"dp_shard 2 (ep 2) x tp 2": the degrees above 1 (or all), ep beside the dp_shard it splits."""
-        parts = [f"{k}{sep}{v}" + (f" (ep{sep}{self.ep})" if k == "dp_shard" and self.ep > 1 else "")
-                 for k, v in self.sizes().items() if v > 1 or not skip_ones]
-        return " x ".join(parts)
+    def label(self) -> str:
+        """"dp_shard 2 (ep 2) x tp 2": the degrees above 1, ep beside the dp_shard it splits."""
+        return " x ".join(f"{k} {v}" + (f" (ep {self.ep})" if k == "dp_shard" and self.ep > 1 else "")
+                          for k, v in self.sizes().items() if v > 1)
 
     def coordinate(self, rank: int) -> dict[str, int]:
         """This rank's index along each mesh dimension (row-major, tp innermost)."""

@@ -35,7 +35,7 @@ import torch.distributed._functional_collectives as funcol
 from torch import nn
 from torch.distributed.tensor import Shard, distribute_tensor
 
-from trainbook.model.moe import MoE
+from trainbook.model.moe import MoE, inverse_permutation
 
 
 class ExpertExchange:
@@ -57,9 +57,8 @@ class ExpertExchange:
         arrived = funcol.all_to_all_single_autograd(rows, recv_splits, send_splits, self.group)
         by_expert = by_expert_order(received)
         out = experts(arrived[by_expert], received.sum(dim=0))
-        back = torch.empty_like(by_expert)
-        back[by_expert] = torch.arange(by_expert.numel(), device=by_expert.device)
-        return funcol.all_to_all_single_autograd(out[back], send_splits, recv_splits, self.group)
+        back = out[inverse_permutation(by_expert)]  # source by source again
+        return funcol.all_to_all_single_autograd(back, send_splits, recv_splits, self.group)
 
 
 def by_expert_order(received: torch.Tensor) -> torch.Tensor:

@@ -32,7 +32,7 @@ def param_groups(model: nn.Module, decay_all: bool, embeddings: tuple = ()) -> l
             key = (decay, getattr(p, "device_mesh", None))
             groups.setdefault(key, {"params": [], "use_decay": decay})["params"].append(p)
     ordered = sorted(groups.items(), key=lambda kv: not kv[0][0])  # decay first, then by first appearance
-    return [g for _, g in ordered] or [{"params": [], "use_decay": True}]
+    return [g for _, g in ordered]
 
 
 def build_optimizer(model: nn.Module, cfg: OptimConfig, embeddings: tuple = ()) -> torch.optim.AdamW:

@@ -1,0 +1,110 @@
+"""`plan`'s gradient path: every collective of one optimizer step, by mesh dimension, with what it
+moves, how big and how often (parallel/plan.py puts it in the plan)."""
+
+from __future__ import annotations
+
+from trainbook.model.moe import is_moe_layer
+from trainbook.parallel.dims import ParallelDims, pipeline_microbatches
+from trainbook.parallel.plan_memory import (
+    PlanInputs, block_numel, compute_bytes, human, residual_bytes, routed_numel,
+)
+
+def gradient_path(dims: ParallelDims, cfg: PlanInputs) -> list[dict]:
+    """Every collective of one optimizer step, by mesh dimension: what, how big, how often."""
+    m, t, p = cfg.model, cfg.train, cfg.parallel
+    c = compute_bytes(cfg)
+    accum = t.grad_accum_steps(dims.dp)
+    matrices, gains = block_numel(cfg, dims.tp)
+    # Expert parallelism gathers and reduces the routed experts over efsdp only (_expert_path).
+    block = matrices + gains - (routed_numel(cfg) if dims.ep > 1 else 0)
+    root = (1 if m.tie_embeddings and dims.pp == 1 else 2) * m.vocab_size * m.dim // dims.tp + m.dim
+    n_mb = pipeline_microbatches(p, dims.pp) if dims.pp > 1 else 1
+    tokens = t.micro_batch_size // n_mb * t.seq_len  # (B, T) of one micro-batch (pipeline chunk)
+    r = residual_bytes(cfg, dims)
+    path = []
+    if dims.dp > 1 and p.data_parallel == "fsdp":
+        pd = c  # FSDP's MixedPrecisionPolicy gathers parameters in the compute dtype
+        path.append({"dim": "dp_shard", "op": "all-gather", "bytes": block * pd, "per": "block",
+                     "text": f"all-gather each block's parameters before its forward and again before its "
+                             f"backward ({human(block * pd)} per block in {_dtype(pd, cfg)}; the root's embedding, "
+                             f"norm and head, {human(root * pd)}, once per pass and kept; the last block "
+                             f"stays gathered for backward)"})
+        path.append({"dim": "dp_shard", "op": "reduce-scatter", "bytes": block * 4, "per": "block",
+                     "text": f"reduce-scatter each block's gradient after its backward ({human(block * 4)} per "
+                             f"block in fp32): every pass, {accum} pass(es) per step"})
+        if dims.dp_replicate > 1:
+            shard = (m.n_layers * block + root) * 4 // dims.dp_shard // dims.pp
+            path.append({"dim": "dp_replicate", "op": "all-reduce", "bytes": shard, "per": "pass",
+                         "text": f"all-reduce the reduce-scattered gradient shards across the {dims.dp_replicate} "
+                                 f"replicas (HSDP; ~{human(shard)} per rank per pass)"})
+    elif dims.dp > 1:
+        grads = (m.n_layers * block + root) * 4 // dims.pp
+        path.append({"dim": "dp_replicate", "op": "all-reduce", "bytes": grads, "per": "pass",
+                     "text": f"all-reduce every gradient (DDP, 25 MiB buckets overlapped with backward; "
+                             f"~{human(grads)} per rank per pass)"})
+    if dims.tp > 1:
+        gather, scatter = tokens * m.dim * r, tokens * m.dim * c
+        logits = tokens * m.vocab_size * c
+        recompute = " (and again in the recomputed forward)" if t.activation_checkpoint != "none" else ""
+        path.append({"dim": "tp", "op": "all-gather + reduce-scatter", "bytes": gather + scatter, "per": "block",
+                     "text": f"sequence parallel, per block and micro-batch: forward all-gathers the normed "
+                             f"residual twice (attention, feed-forward: {human(gather)} each, {_dtype(r, cfg)}) and "
+                             f"reduce-scatters the wo / w2 outputs twice ({human(scatter)} each, {_dtype(c, cfg)})"
+                             f"{recompute}; "
+                             "backward the mirror image"})
+        path.append({"dim": "tp", "op": "all-gather", "bytes": logits, "per": "micro-batch",
+                     "text": f"embedding output reduce-scattered to sequence shards; the head all-gathers the "
+                             f"sequence and then the logits ({human(logits)}: every tp rank gets all of them)"})
+        qk = " (and the q/k norms', summed over each rank's heads)" if m.qk_norm else ""
+        path.append({"dim": "tp", "op": "all-reduce", "bytes": (m.n_layers * gains + m.dim) * 4, "per": "step",
+                     "text": f"norm-gain gradients{qk} are partial sums (Partial) on each tp rank: all-reduced "
+                             "when clipping and the optimizer read them"})
+    if dims.ep > 1:
+        path += _expert_path(dims, cfg, tokens, accum)
+    if dims.pp > 1:
+        act = tokens // dims.tp * m.dim * r
+        path.append({"dim": "pp", "op": "send/recv", "bytes": act, "per": "micro-batch",
+                     "text": f"each pipeline micro-batch's hidden states (B {t.micro_batch_size // n_mb}, "
+                             f"T {t.seq_len // dims.tp}, dim {m.dim}) {_dtype(r, cfg)} = {human(act)} sent to the next "
+                             f"stage in forward, their gradient sent back in backward: {n_mb} x {accum} per step at "
+                             f"each of {dims.pp * p.pp_stages_per_rank - 1} stage boundaries"})
+        if m.tie_embeddings:
+            path.append({"dim": "pp", "op": "send/recv", "bytes": m.vocab_size * m.dim * 4 // dims.tp, "per": "step",
+                         "text": "tied embedding: the first and last stage exchange the embedding / head "
+                                 "gradient shards once per step and both add them"})
+    return path
+
+
+def _expert_path(dims: ParallelDims, cfg: PlanInputs, tokens: int, accum: int) -> list[dict]:
+    """Expert parallelism's all-to-alls: each MoE layer sends every (token, expert) row of a
+    micro-batch to its expert's rank and the output back, in forward, again for the gradients in
+    backward, and once more in a checkpointed block's recompute; (ep - 1) / ep of the rows leave
+    the rank when the load is even."""
+    m, t = cfg.model, cfg.train
+    c = compute_bytes(cfg)
+    layers = sum(is_moe_layer(m, i) for i in range(m.n_layers))
+    rows = tokens * m.n_experts_per_token * m.dim * c  # one micro-batch's rows of one layer, one way
+    passes = 4 + (2 if t.activation_checkpoint != "none" else 0)  # dispatch + combine, forward and backward
+    off_rank = rows * (dims.ep - 1) // dims.ep
+    per_step = off_rank * passes * layers * accum
+    recompute = ", again in the recomputed forward" if t.activation_checkpoint != "none" else ""
+    text = (f"all-to-all per MoE layer and micro-batch: each token's {m.n_experts_per_token} rows "
+            f"({human(rows)} in {_dtype(c, cfg)}) to their experts' ranks and the outputs back, in forward, "
+            f"for the gradients in backward{recompute}; {human(off_rank)} of each leave the rank when the load is "
+            f"even: {human(per_step)} sent per rank per step ({layers} MoE layers x {passes} x {accum} pass(es)), "
+            f"plus each layer's token counts ({m.n_experts} int64) before each exchange")
+    path = [{"dim": "ep", "op": "all-to-all", "bytes": per_step, "per": "step", "text": text}]
+    if dims.efsdp * dims.dp_replicate > 1:
+        held = routed_numel(cfg) // dims.ep
+        path.append({"dim": "efsdp", "op": "all-gather + reduce-scatter", "bytes": held * c, "per": "block",
+                     "text": f"each MoE block's {m.n_experts // dims.ep} experts of this rank ({human(held * c)} in "
+                             f"{_dtype(c, cfg)}) gathered before forward and backward, their gradient reduce-scattered "
+                             f"({human(held * 4)} in fp32) over the {dims.efsdp * dims.dp_replicate} ranks holding "
+                             "them (the dp_shard figures above leave the routed experts out)"})
+    return path
+
+
+def _dtype(n: int, cfg: PlanInputs) -> str:
+    return "fp32" if n == 4 else cfg.dtype
+
+
