@@ -8,7 +8,8 @@ storages, with selective checkpointing's cache and a pipeline stage's outputs; `
 plan's activation estimate must be within 5% of them, for every pipeline schedule and
 checkpointing mode. In one process, the estimate is held against the hooks for every
 checkpointing mode, in fp32 and bf16, of the tiny Llama, of a tiny Qwen3 (q/k norms, a
-head_dim of its own) and of a tiny mixture of experts (with and without a shared expert).
+head_dim of its own), of a tiny mixture of experts (with and without a shared expert) and of
+multi-head latent attention (dense, and DeepSeek-V3's tiny shape).
 """
 
 from __future__ import annotations
@@ -41,6 +42,11 @@ QWEN3 = ["model.name=qwen3-tiny"]
 # A mixture of experts (layer 0 dense, 8 experts, top 2); one with a shared expert, not renormalised.
 MOE = ["model.name=tiny-moe", "model.vocab_size=1024"]
 MOE_SHARED = MOE + ["model.n_shared_experts=1", "model.router_norm_topk=false"]
+# Multi-head latent attention: DeepSeek-V3's tiny shape (both latents, an MoE with a shared expert),
+# and the dense tiny Llama with queries projected directly.
+MLA_MOE = ["model.name=deepseek-v3-tiny", "model.vocab_size=1024"]
+MLA = ["model.kv_lora_rank=32", "model.q_lora_rank=0", "model.qk_nope_head_dim=24", "model.qk_rope_head_dim=8",
+       "model.v_head_dim=16", "model.n_kv_heads=6"]
 TWO_RANKS = {
     "fsdp2": ["parallel.dp_shard=2"],
     # bf16 under FSDP2's policy: the blocks get the fp32 RoPE tables uncast (no copy per block).
@@ -149,7 +155,8 @@ def test_activation_estimate_within_5_percent_of_what_is_kept(measured, case, wo
     assert abs(sum(estimates) - sum(actuals)) <= 0.05 * sum(actuals), (case, estimates, actuals)
 
 
-@pytest.mark.parametrize("model", [[], QWEN3, MOE, MOE_SHARED], ids=["tiny", "qwen3", "moe", "moe-shared"])
+@pytest.mark.parametrize("model", [[], QWEN3, MOE, MOE_SHARED, MLA, MLA_MOE],
+                         ids=["tiny", "qwen3", "moe", "moe-shared", "mla", "deepseek-v3"])
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
 @pytest.mark.parametrize("mode", ["none", "full", "selective"])
 def test_activation_estimate_in_one_process(mode, dtype, model):

@@ -159,9 +159,11 @@ def find_resume_point(resume: str, run_dir: Path | None) -> ResumePoint | None:
 
 # Model fields that decide tensor shapes: a checkpoint cannot load into a model that differs in one.
 # A mixture of experts adds its own: which layers route, how many experts of what size, and
-# whether the routers hold a selection bias (a buffer the checkpoint has or has not).
+# whether the routers hold a selection bias (a buffer the checkpoint has or has not); latent
+# attention its latents' and heads' widths.
 SHAPE_FIELDS = ("dim", "n_layers", "n_heads", "n_kv_heads", "head_dim", "qkv_bias", "qk_norm", "vocab_size", "ffn_dim",
-                "tie_embeddings", "n_experts", "expert_ffn_dim", "n_shared_experts", "router_bias", "dense_layers")
+                "tie_embeddings", "n_experts", "expert_ffn_dim", "n_shared_experts", "router_bias", "dense_layers",
+                "kv_lora_rank", "q_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
 
 
 def check_compatible(manifest: dict, cfg: Config, where: str) -> None:

@@ -17,8 +17,9 @@ class ModelConfig(Section):
     """A registry name (`trainbook.model.registry`), or `from_hf`: the architecture of `init_from`'s
     config.json; the fields below override its values."""
     init_from: str | None = None
-    """Where the weights start: `hf:PATH`, a Hugging Face directory (Llama, Qwen2/Qwen2.5, Qwen3 or Qwen3-MoE),
-    its config.json the architecture and its tokenizer the run's; or `run:PATH`, a trainbook run
+    """Where the weights start: `hf:PATH`, a Hugging Face directory (Llama, Qwen2/Qwen2.5, Qwen3,
+    Qwen3-MoE or DeepSeek-V3), its config.json the architecture and its tokenizer the run's; or
+    `run:PATH`, a trainbook run
     directory (its newest valid checkpoint) or one of its checkpoints, its config.resolved.toml's
     [model] the architecture, its tokenizer the run's (a trained one read from the run's
     tokenizer/ folder) and a LoRA run's adapters merged into the base weights. Either way the
@@ -27,7 +28,7 @@ class ModelConfig(Section):
     resize_init: Literal["mean", "normal"] = "mean"
     """Rows added when `vocab_size` exceeds the imported vocabulary: the mean of the existing
     embeddings, or normal(0, init_std)."""
-    family: Literal["llama", "qwen2", "qwen3", "qwen3_moe"] | None = None
+    family: Literal["llama", "qwen2", "qwen3", "qwen3_moe", "deepseek_v3"] | None = None
     """The decoder's family (`trainbook.model.families`): the Hugging Face architecture its
     config.json and weights are read and written as, and the defaults of the options below."""
     dim: int | None = Field(default=None, ge=1)
@@ -46,6 +47,21 @@ class ModelConfig(Section):
     """Biases on the query, key and value projections, none on the output one (Qwen2)."""
     qk_norm: bool | None = None
     """RMSNorm over each query and key head, after the head split and before RoPE (Qwen3)."""
+    # Multi-head latent attention (`model/mla.py`, DeepSeek-V2/V3). Unset on grouped-query
+    # attention, every one of them; `kv_lora_rank` makes the attention MLA, which then needs all.
+    kv_lora_rank: int | None = Field(default=None, ge=1)
+    """MLA: the width of the latent every key and value is expanded from (DeepSeek-V3: 512);
+    unset: grouped-query attention."""
+    q_lora_rank: int | None = Field(default=None, ge=0)
+    """MLA: the width of the latent the queries are expanded from (DeepSeek-V3: 1536); 0: queries
+    projected directly from the residual stream (HF `q_lora_rank: null`, DeepSeek-V2-Lite)."""
+    qk_nope_head_dim: int | None = Field(default=None, ge=1)
+    """MLA: the channels of each query and key head that RoPE leaves alone (DeepSeek-V3: 128)."""
+    qk_rope_head_dim: int | None = Field(default=None, ge=2)
+    """MLA: the channels of each query head that RoPE rotates, and of the one rotated key shared by
+    every head (DeepSeek-V3: 64); `head_dim` (the RoPE table's width) equals it."""
+    v_head_dim: int | None = Field(default=None, ge=1)
+    """MLA: the channels of each value head (DeepSeek-V3: 128)."""
     ffn_dim: int | None = Field(default=None, ge=1)
     """SwiGLU hidden size."""
     norm_eps: float | None = Field(default=None, gt=0)

@@ -9,7 +9,8 @@ FLOPs per token follow PaLM (Chowdhery et al. 2022, appendix B): 6 N for the mat
 forward and backward, N the weights of every `nn.Linear` (each projection and the output head,
 even when tied to the embedding; not the embedding lookup, norms or biases), plus 12 x T x the sum
 over layers of the query width (n_heads x head_dim) for attention's two matmuls over the full
-T x T square, as torchtitan counts it though the causal mask skips half.
+T x T square, as torchtitan counts it though the causal mask skips half (multi-head latent
+attention's two matmuls differ in width: their mean, `LatentAttention.attention_width`).
 
 A module that routes tokens to a few of its parameters (a mixture of experts) says so by
 defining `active_numel()`, the parameters one token passes through; the count then takes that for
@@ -63,7 +64,7 @@ def _count(cfg: ModelConfig) -> ModelCount:
     total = sum(p.numel() for p in model.parameters())
     embedding = model.tok_embeddings.weight.numel()
     matmul, active_less = _matmul_and_routed(model)
-    widths = sum(block.attention.wq.out_features for block in model.layers.values())
+    widths = sum(block.attention.attention_width for block in model.layers.values())
     # The largest block (a mixture of experts' layer outweighs its dense ones): its expert weights
     # count as sharded, which tensor parallel never has to split (it is refused for experts).
     block = max(model.layers.values(), key=lambda b: sum(p.numel() for p in b.parameters()))

@@ -11,16 +11,20 @@ Hugging Face architecture of the same computation is called. Registry entries
 Qwen3-MoE is Qwen3's attention with a mixture of experts in the feed-forward (`model/moe.py`):
 its config.json adds the expert keys (`moe_of_hf_config` reads them, `hf_fields` writes them) and
 its class routes one way only: a softmax over every expert, the top-k optionally renormalised, no
-shared experts, groups, scale or selection bias. DeepSeek-V3 routes as `model/moe.py` can, but
-its attention is multi-head latent attention (MLA), which the decoder does not have: its
-config.json is refused by name (`NOT_YET`).
+shared experts, groups, scale or selection bias. DeepSeek-V3 routes by sigmoid scores plus a
+selection bias within groups, scaled, with shared experts, its first `first_k_dense_replace` layers
+dense, and its attention is multi-head latent attention (`model/mla.py`, the `kv_lora_rank` fields).
 
 Sources, transformers 5.x: `models/llama/modeling_llama.py`, `models/qwen2/modeling_qwen2.py`
 (q/k/v biases hard-wired on, none on o_proj), `models/qwen3/modeling_qwen3.py` (`q_norm`/`k_norm`,
 RMSNorm over head_dim of each head before RoPE; `attention_bias` puts a bias on all four
 projections, o_proj included), `models/qwen3_moe/configuration_qwen3_moe.py` and
 `modeling_qwen3_moe.py` (`Qwen3MoeDecoderLayer`: a layer routes unless it is in `mlp_only_layers`
-or (i + 1) % `decoder_sparse_step` != 0; no head_dim default: hidden_size / heads).
+or (i + 1) % `decoder_sparse_step` != 0; no head_dim default: hidden_size / heads),
+`models/deepseek_v3/configuration_deepseek_v3.py` and `modeling_deepseek_v3.py` (`head_dim` is
+`qk_rope_head_dim` whatever config.json says; `num_key_value_heads` only repeats keys already
+expanded per head, so it must equal the heads; the multi-token-prediction layers
+`num_nextn_predict_layers` describes are not built, their weights skipped on load).
 """
 
 from __future__ import annotations
@@ -57,7 +61,9 @@ class Family:
     `attention_bias` (biases on all four projections), `mlp_bias`, `use_sliding_window`. Import
     refuses them on; export writes them off."""
     moe: bool = False
-    """The class's feed-forward is a mixture of experts (Qwen3-MoE's config.json keys)."""
+    """The class's feed-forward is a mixture of experts (Qwen3-MoE's or DeepSeek-V3's config.json keys)."""
+    mla: bool = False
+    """The class's attention is multi-head latent attention (DeepSeek-V3's config.json keys)."""
 
     def defaults(self, dim: int, n_heads: int) -> dict:
         """The option fields a config that does not set them gets."""
@@ -82,16 +88,13 @@ FAMILIES: dict[str, Family] = {
                max_position_embeddings=32768, num_key_value_heads=4,
                reads=frozenset({"attention_bias", "use_sliding_window"}), moe=True,
                source="transformers/models/qwen3_moe/modeling_qwen3_moe.py"),
+        Family("deepseek_v3", "DeepseekV3ForCausalLM", "deepseek_v3", qkv_bias=False, qk_norm=False, head_dim=None,
+               max_position_embeddings=4096, reads=frozenset({"attention_bias"}), moe=True, mla=True,
+               source="transformers/models/deepseek_v3/modeling_deepseek_v3.py"),
     )
 }
 DEFAULT = "llama"
 """The family of a config that names none (every recipe and checkpoint from before families)."""
-NOT_YET = {
-    "DeepseekV3ForCausalLM": "DeepSeek-V3's multi-head latent attention (MLA) is not supported yet (its "
-                             "routing is: router_score = \"sigmoid\", router_bias, router_groups)",
-}
-"""Architectures trainbook knows but cannot import yet -> why, in one line."""
-_NOT_YET_TYPES = {"deepseek_v3": "DeepseekV3ForCausalLM"}
 
 
 def family(name: str | None) -> Family:
@@ -131,9 +134,6 @@ def of_hf_config(config: dict, where: str) -> Family:
                              where=where)
     by_arch = {f.architecture: f for f in FAMILIES.values()}
     by_type = {f.model_type: f for f in FAMILIES.values()}
-    for arch in [*archs, _NOT_YET_TYPES.get(model_type)]:
-        if arch in NOT_YET:
-            raise TrainbookError(f"{arch}: {NOT_YET[arch]}", where=where)
     found = {by_arch.get(a) for a in archs} if archs else {by_type.get(model_type)}
     if None in found or len(found) != 1:
         other = next((a for a in archs if a not in by_arch), None) or model_type
@@ -159,6 +159,9 @@ def unsupported(fam: Family, config: dict) -> list[str]:
     if config.get("use_sliding_window"):
         problems.append("use_sliding_window=true (trainbook's attention is full causal; the released "
                         "Qwen models have it off)")
+    if fam.mla and config.get("rope_interleave") is False:
+        problems.append("rope_interleave=false (trainbook's MLA rotates interleaved channel pairs, as DeepSeek's "
+                        "checkpoints are laid out)")
     act = config.get("hidden_act", "silu")
     if act != "silu":
         problems.append(f"hidden_act='{act}' (trainbook's SwiGLU uses silu)")
@@ -193,6 +196,13 @@ def _rope_parameters(config: dict):
 def hf_fields(fam: Family, cfg) -> dict:
     """The family-specific part of the `config.json` of resolved ModelConfig `cfg`, or a one-line
     error when the family's Hugging Face class cannot express one of cfg's options."""
+    if fam.mla and cfg.kv_lora_rank is None:
+        raise TrainbookError(f"{fam.architecture}'s attention is multi-head latent attention; this model sets no "
+                             "kv_lora_rank", where="model.kv_lora_rank")
+    if not fam.mla and cfg.kv_lora_rank is not None:
+        raise TrainbookError(f"{fam.architecture} has grouped-query attention; this model has multi-head latent "
+                             f"attention (kv_lora_rank={cfg.kv_lora_rank}; family deepseek_v3 writes "
+                             "DeepseekV3ForCausalLM)", where="model.family")
     if cfg.qkv_bias != fam.qkv_bias or cfg.qk_norm != fam.qk_norm:
         raise TrainbookError(
             f"{fam.architecture} has qkv_bias={str(fam.qkv_bias).lower()}, qk_norm={str(fam.qk_norm).lower()}; "
@@ -206,11 +216,15 @@ def hf_fields(fam: Family, cfg) -> dict:
     if not fam.moe and cfg.n_experts is not None:
         raise TrainbookError(f"{fam.architecture} has a dense feed-forward; this model has n_experts={cfg.n_experts} "
                              "(family qwen3_moe writes Qwen3MoeForCausalLM)", where="model.family")
-    out = {"architectures": [fam.architecture], "model_type": fam.model_type, "head_dim": cfg.head_dim}
+    out = {"architectures": [fam.architecture], "model_type": fam.model_type}
+    if not fam.mla:  # DeepseekV3Config sets head_dim to qk_rope_head_dim itself
+        out["head_dim"] = cfg.head_dim
     out |= {key: False for key in sorted(fam.reads)}
     if "use_sliding_window" in fam.reads:
         out |= {"sliding_window": None, "max_window_layers": cfg.n_layers}
-    if fam.moe:
+    if fam.mla:
+        out |= _deepseek_v3_fields(fam, cfg)
+    elif fam.moe:
         out |= _qwen3_moe_fields(fam, cfg)
     return out
 
@@ -233,7 +247,65 @@ def _qwen3_moe_fields(fam: Family, cfg) -> dict:
             "decoder_sparse_step": 1, "mlp_only_layers": list(cfg.dense_layers), "output_router_logits": False}
 
 
-def moe_of_hf_config(config: dict, n_layers, where: str) -> dict:
+# The routing DeepseekV3ForCausalLM computes: sigmoid scores, a selection bias, shared experts.
+_DEEPSEEK_V3_ROUTER = {"router_score": "sigmoid", "router_bias": True}
+# ModelConfig field -> (DeepseekV3Config key, its default); q_lora_rank's null is 0 here.
+_DEEPSEEK_V3_KEYS = {
+    "n_experts": ("n_routed_experts", 256), "n_experts_per_token": ("num_experts_per_tok", 8),
+    "expert_ffn_dim": ("moe_intermediate_size", 2048), "n_shared_experts": ("n_shared_experts", 1),
+    "router_scale": ("routed_scaling_factor", 2.5), "router_groups": ("n_group", 8),
+    "router_topk_groups": ("topk_group", 4), "router_norm_topk": ("norm_topk_prob", True),
+    "kv_lora_rank": ("kv_lora_rank", 512), "q_lora_rank": ("q_lora_rank", 1536),
+    "qk_nope_head_dim": ("qk_nope_head_dim", 128), "qk_rope_head_dim": ("qk_rope_head_dim", 64),
+    "v_head_dim": ("v_head_dim", 128),
+}  # fmt: skip
+
+
+def _deepseek_v3_fields(fam: Family, cfg) -> dict:
+    other = {k: getattr(cfg, k) for k, v in _DEEPSEEK_V3_ROUTER.items() if getattr(cfg, k) != v}
+    if cfg.n_shared_experts == 0:
+        other["n_shared_experts"] = 0
+    first_k = len(cfg.dense_layers)
+    if tuple(cfg.dense_layers) != tuple(range(first_k)):
+        other["dense_layers"] = list(cfg.dense_layers)
+    if other:
+        said = ", ".join(f"{k}={v!r}" if isinstance(v, (str, list)) else f"{k}={str(v).lower()}" for k, v in other.items())
+        raise TrainbookError(f"{fam.architecture} routes by sigmoid scores with a selection bias, through at least one "
+                             f"shared expert, its dense layers the first ones; this model has {said}",
+                             where=f"model.{next(iter(other))}")
+    out = {key: getattr(cfg, field) for field, (key, _) in _DEEPSEEK_V3_KEYS.items()}
+    return out | {"q_lora_rank": cfg.q_lora_rank or None, "first_k_dense_replace": first_k, "rope_interleave": True,
+                  "num_nextn_predict_layers": 0, "output_router_logits": False}
+
+
+def moe_of_hf_config(fam: Family, config: dict, n_layers, where: str) -> dict:
+    """The MoE fields (and DeepSeek-V3's MLA fields) of `config` (a parsed config.json of
+    `n_layers` layers of family `fam`), its keys left out taking the family's config class's
+    defaults; a one-line error where it routes nowhere."""
+    if fam.mla:
+        return _deepseek_v3_of_hf_config(config, n_layers, where)
+    return _qwen3_moe_of_hf_config(config, n_layers, where)
+
+
+def _deepseek_v3_of_hf_config(config: dict, n_layers, where: str) -> dict:
+    """DeepseekV3Config's keys: a layer routes from `first_k_dense_replace` on; `q_lora_rank: null`
+    projects queries directly (0 here); `n_routed_experts` also spelt `num_local_experts`."""
+    values = {field: _or_default(config, key, default) for field, (key, default) in _DEEPSEEK_V3_KEYS.items()}
+    if config.get("n_routed_experts") is None and config.get("num_local_experts") is not None:
+        values["n_experts"] = config["num_local_experts"]
+    if "q_lora_rank" in config and config["q_lora_rank"] is None:
+        values["q_lora_rank"] = 0
+    if values["n_shared_experts"] == 0:
+        raise TrainbookError("n_shared_experts=0: DeepseekV3ForCausalLM then builds an empty shared expert, which "
+                             "trainbook does not", where=where)
+    first_k = _or_default(config, "first_k_dense_replace", 3)
+    if not isinstance(first_k, int) or isinstance(first_k, bool) or first_k < 0:
+        raise TrainbookError(f"'first_k_dense_replace': not a layer count (got {first_k!r})", where=where)
+    layers = range(n_layers) if isinstance(n_layers, int) else range(0)  # a bad count: ModelConfig names it
+    return values | _DEEPSEEK_V3_ROUTER | {"dense_layers": tuple(i for i in layers if i < first_k)}
+
+
+def _qwen3_moe_of_hf_config(config: dict, n_layers, where: str) -> dict:
     """The MoE fields of Qwen3-MoE `config` (a parsed config.json of `n_layers` layers), its keys
     left out taking Qwen3MoeConfig's defaults; a one-line error where it routes nowhere.
 

@@ -1,12 +1,14 @@
 """Trainbook's decoder <-> Hugging Face `LlamaForCausalLM`, `Qwen2ForCausalLM`, `Qwen3ForCausalLM`,
-`Qwen3MoeForCausalLM`: names, `config.json`, weights.
+`Qwen3MoeForCausalLM`, `DeepseekV3ForCausalLM`: names, `config.json`, weights.
 
 One table maps every parameter name, the same in every family (Qwen2's q/k/v biases and Qwen3's
 q/k norms sit where Llama's projections do, an MoE layer's router and shared experts where the
-dense SwiGLU does); `to_hf_name` and `from_hf_name` read it in either direction. The family
+dense SwiGLU does, latent attention's projections where the others' do); `to_hf_name` and
+`from_hf_name` read it in either direction. The family
 (`model/families.py`) decides the rest of config.json.
 No tensor needs changing on the way: trainbook's RoPE already uses HF's half-split ("rotate_half")
-channel layout, so wq/wk are not permuted, and both store `nn.Linear` weights as (out, in).
+channel layout, so wq/wk are not permuted (latent attention rotates DeepSeek's interleaved pairs
+as transformers does), and both store `nn.Linear` weights as (out, in).
 
 Two structural differences:
 - tied embeddings: trainbook's state dict names the shared matrix twice (`tok_embeddings.weight`,
@@ -49,6 +51,12 @@ _BLOCK = {
     "attention.q_norm.weight": "self_attn.q_norm.weight",  # qk_norm (Qwen3)
     "attention.k_norm.weight": "self_attn.k_norm.weight",
     "attention.wo.weight": "self_attn.o_proj.weight",
+    "attention.wq_a.weight": "self_attn.q_a_proj.weight",  # multi-head latent attention (DeepSeek-V3)
+    "attention.q_a_norm.weight": "self_attn.q_a_layernorm.weight",
+    "attention.wq_b.weight": "self_attn.q_b_proj.weight",
+    "attention.wkv_a.weight": "self_attn.kv_a_proj_with_mqa.weight",
+    "attention.kv_a_norm.weight": "self_attn.kv_a_layernorm.weight",
+    "attention.wkv_b.weight": "self_attn.kv_b_proj.weight",
     "ffn_norm.weight": "post_attention_layernorm.weight",
     "feed_forward.w1.weight": "mlp.gate_proj.weight",
     "feed_forward.w3.weight": "mlp.up_proj.weight",

@@ -1,6 +1,6 @@
 """Import a Hugging Face model directory (`model.init_from = "hf:PATH"`), as `save_pretrained` writes
-it: a Llama, Qwen2/Qwen2.5, Qwen3 or Qwen3-MoE (`model/families.py` says which by config.json's
-architecture).
+it: a Llama, Qwen2/Qwen2.5, Qwen3, Qwen3-MoE or DeepSeek-V3 (`model/families.py` says which by
+config.json's architecture).
 
 - `model_config_from_hf`: `config.json` -> a complete ModelConfig named "from_hf", or a one-line
   error naming what trainbook cannot run (another architecture, scaled RoPE, an o_proj bias, ...);
@@ -28,7 +28,7 @@ from trainbook.config.model import ModelConfig
 from trainbook.errors import TrainbookError, one_line
 from trainbook.model import families
 from trainbook.model.hf import expert_names, to_hf_name
-from trainbook.model.registry import FROM_HF, MOE_FIELDS, is_resolved, resolve
+from trainbook.model.registry import FROM_HF, MLA_FIELDS, MOE_FIELDS, is_resolved, resolve
 
 if TYPE_CHECKING:
     from trainbook.model.llama import Llama
@@ -56,7 +56,8 @@ _HF_KEY = {f: key for f, (key, _) in _FROM_CONFIG.items()} | {
     "expert_ffn_dim": "moe_intermediate_size", "router_norm_topk": "norm_topk_prob",
     "dense_layers": "mlp_only_layers", "n_shared_experts": "architectures", "router_score": "architectures",
     "router_bias": "architectures", "router_groups": "architectures", "router_topk_groups": "architectures",
-    "router_scale": "architectures",
+    "router_scale": "architectures", "kv_lora_rank": "kv_lora_rank", "q_lora_rank": "q_lora_rank",
+    "qk_nope_head_dim": "qk_nope_head_dim", "qk_rope_head_dim": "qk_rope_head_dim", "v_head_dim": "v_head_dim",
 }  # fmt: skip
 
 
@@ -107,12 +108,14 @@ def model_config_from_hf(path: Path) -> ModelConfig:
         if config.get(key) is None and default is None:
             raise TrainbookError(f"'{key}' is missing", where=where)
         values[field] = default if config.get(key) is None else config[key]
-    values["n_kv_heads"] = _kv_heads(fam, config, values["n_heads"])
+    values["n_kv_heads"] = _kv_heads(fam, config, values["n_heads"], where)
     values["rope_theta"] = families.rope_theta(config)
     values["max_seq_len"] = config.get("max_position_embeddings") or fam.max_position_embeddings
     values |= {"family": fam.name, **_options(fam, config, values)}
     if fam.moe:
-        values |= families.moe_of_hf_config(config, values["n_layers"], where)
+        values |= families.moe_of_hf_config(fam, config, values["n_layers"], where)
+    if fam.mla:
+        values["head_dim"] = values["qk_rope_head_dim"]  # as DeepseekV3Config sets it
     try:
         cfg = ModelConfig(name=FROM_HF, **values)
     except ValidationError as e:
@@ -123,8 +126,15 @@ def model_config_from_hf(path: Path) -> ModelConfig:
     return cfg
 
 
-def _kv_heads(fam: families.Family, config: dict, n_heads):
+def _kv_heads(fam: families.Family, config: dict, n_heads, where: str):
     # As transformers reads it: left out, the family config's default (Qwen: 32); null, the query heads.
+    if fam.mla:  # keys and values are expanded per head: transformers' repeat_kv then works only at 1
+        given = config.get("num_key_value_heads")
+        if given is not None and given != n_heads:
+            raise TrainbookError(f"num_key_value_heads={given} differs from num_attention_heads={n_heads}; "
+                                 f"{fam.architecture}'s latent attention expands a key and a value per head",
+                                 where=where)
+        return n_heads
     if "num_key_value_heads" not in config:
         return fam.num_key_value_heads or n_heads
     return config["num_key_value_heads"] if config["num_key_value_heads"] is not None else n_heads
@@ -142,7 +152,7 @@ def _options(fam: families.Family, config: dict, values: dict) -> dict:
 
 def _check_heads(cfg: ModelConfig, config: dict, where: str) -> None:
     # The registry's shape checks, in config.json's words.
-    if config.get("head_dim") is None and cfg.dim % cfg.n_heads:
+    if config.get("head_dim") is None and cfg.kv_lora_rank is None and cfg.dim % cfg.n_heads:
         why = f"hidden_size={cfg.dim} is not divisible by num_attention_heads={cfg.n_heads}"
         raise TrainbookError(why, where=where)
     if cfg.n_heads % cfg.n_kv_heads:
@@ -160,7 +170,7 @@ def _check_heads(cfg: ModelConfig, config: dict, where: str) -> None:
 # Fields whose difference changes what the imported weights compute (shapes, RoPE base, norm
 # epsilon, tying). max_seq_len and init_std are the recipe's to choose.
 _SAME_AS_IMPORTED = ("family", "dim", "n_layers", "n_heads", "n_kv_heads", "head_dim", "qkv_bias", "qk_norm",
-                     "ffn_dim", "norm_eps", "rope_theta", "tie_embeddings", *MOE_FIELDS)  # fmt: skip
+                     "ffn_dim", "norm_eps", "rope_theta", "tie_embeddings", *MOE_FIELDS, *MLA_FIELDS)  # fmt: skip
 
 
 def check_against_recipe(hf_cfg: ModelConfig, recipe_cfg: ModelConfig) -> None:
@@ -201,6 +211,7 @@ _MAX_ITEMSIZE = 8  # bytes per element of the widest of them
 _CHUNK_BYTES = 64 * 2**20
 # Buffers some older transformers versions saved; both sides derive them from the config.
 _DERIVED = re.compile(r"model\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq")
+_HF_LAYER = re.compile(r"model\.layers\.(\d+)\.")
 
 
 @torch.no_grad()
@@ -208,7 +219,7 @@ def load_hf_weights(model: Llama, path: Path) -> None:
     """Copy the weights of Hugging Face directory `path` into built `model`, converting dtype.
 
     Checked from the files' headers before anything is copied (a failed import leaves the model
-    as it was): every parameter has a tensor, of its shape and a float dtype, and every tensor
+    as it was): every parameter (and persistent buffer) has a tensor, of its shape and a float dtype, and every tensor
     maps to a parameter (old `rotary_emb.inv_freq` buffers aside). A tied model's head is its
     embedding: a `lm_head.weight` in the files is ignored, as transformers does; an untied model
     needs one.
@@ -223,8 +234,10 @@ def load_hf_weights(model: Llama, path: Path) -> None:
     path = Path(path)
     files = _weight_files(path)  # HF name -> the file holding it
     params = dict(model.named_parameters(remove_duplicate=False))
+    # and the persistent buffers: a DeepSeek-V3 router's selection bias (`e_score_correction_bias`)
+    params |= {name: t for name, t in model.state_dict(keep_vars=True).items() if name not in params}
     pieces = _sources(model, params)  # (HF name, what it fills, the model's name of that) each
-    _check_names(files, {hf_name for hf_name, _, _ in pieces}, model.cfg.tie_embeddings, path)
+    _check_names(files, {hf_name for hf_name, _, _ in pieces}, model.cfg, path)
     _check_headers(files, pieces)
     for hf_name, dest, _ in pieces:
         row_bytes = dest[0].numel() * _MAX_ITEMSIZE
@@ -278,9 +291,15 @@ def _weight_files(path: Path) -> dict[str, Path]:
     raise TrainbookError(f"no weights: neither {WEIGHTS_FILE} nor {INDEX_FILE}", where=str(path))
 
 
-def _check_names(files: dict[str, Path], wanted: set[str], tied: bool, path: Path) -> None:
+def _check_names(files: dict[str, Path], wanted: set[str], cfg: ModelConfig, path: Path) -> None:
     ignored = {n for n in files if _DERIVED.fullmatch(n)}
-    if tied:
+    if families.family(cfg.family).mla:
+        # DeepSeek-V3's multi-token-prediction layers follow the last block; transformers does not
+        # build them either (DeepseekV3PreTrainedModel._keys_to_ignore_on_load_unexpected).
+        mtp = read_hf_config(path).get("num_nextn_predict_layers") or 0
+        extra = range(cfg.n_layers, cfg.n_layers + mtp) if isinstance(mtp, int) else range(0)
+        ignored |= {n for n in files if (m := _HF_LAYER.match(n)) and int(m.group(1)) in extra}
+    if cfg.tie_embeddings:
         ignored.add(to_hf_name("output.weight"))
     unknown = sorted(set(files) - wanted - ignored)
     if unknown:

@@ -30,9 +30,9 @@ class LayerCache:
         every slot so far (B, kv_heads, length + T, head_dim)."""
         start, end = self.owner.length, self.owner.length + k.shape[2]
         if self.k is None:
-            shape = (k.shape[0], k.shape[1], self.owner.capacity, k.shape[3])
-            self.k = k.new_zeros(shape)
-            self.v = v.new_zeros(shape)
+            # A value's head_dim may differ from a key's (multi-head latent attention).
+            self.k = k.new_zeros(k.shape[0], k.shape[1], self.owner.capacity, k.shape[3])
+            self.v = v.new_zeros(v.shape[0], v.shape[1], self.owner.capacity, v.shape[3])
         self.k[:, :, start:end] = k
         self.v[:, :, start:end] = v
         return self.k[:, :, :end], self.v[:, :, :end]

@@ -5,11 +5,14 @@ options of the same class, set by `ModelConfig` (defaults from `model/families.p
 biases to the q/k/v projections (`qkv_bias`), Qwen3 an RMSNorm over each query and key head
 before RoPE (`qk_norm`) and a head_dim of its own (`head_dim`, 128 where dim / n_heads is 64 or 80),
 Qwen3-MoE a mixture of experts as the feed-forward (`n_experts`, ...: `model/moe.py`) in every
-layer but `dense_layers`.
+layer but `dense_layers`, DeepSeek-V3 that and multi-head latent attention (`kv_lora_rank`, ...:
+`model/mla.py`). RMSNorm and RoPE live in `model/layers.py`.
 
 Conventions that `parallel/`, checkpoints and HF import rely on (keep them stable):
 - module paths: `tok_embeddings`, `layers.<i>.attention.{wq,wk,wv,wo}` (and, with the options,
-  `wq/wk/wv.bias`, `layers.<i>.attention.{q_norm,k_norm}`), `layers.<i>.feed_forward.{w1,w2,w3}`,
+  `wq/wk/wv.bias`, `layers.<i>.attention.{q_norm,k_norm}`; with latent attention, `kv_lora_rank`,
+  `layers.<i>.attention.{wq | wq_a, q_a_norm, wq_b}, {wkv_a, kv_a_norm, wkv_b}, wo`: model/mla.py),
+  `layers.<i>.feed_forward.{w1,w2,w3}`,
   `layers.<i>.{attention_norm,ffn_norm}`, `norm`, `output`; an MoE layer's feed-forward instead
   `layers.<i>.feed_forward.router.gate` (nn.Linear dim -> n_experts; with `router_bias`, the
   buffer `router.expert_bias`), `layers.<i>.feed_forward.experts.{w1,w2,w3}` (parameters,
@@ -37,7 +40,9 @@ from torch import nn
 from trainbook.config.model import ModelConfig
 from trainbook.errors import TrainbookError
 from trainbook.model.kv_cache import KVCache, LayerCache
+from trainbook.model.layers import RMSNorm, apply_rope, rope_tables
 from trainbook.model.loss import ChunkedLoss, full_cross_entropy, linear_cross_entropy
+from trainbook.model.mla import LatentAttention
 from trainbook.model.moe import MoE, is_moe_layer
 from trainbook.model.registry import is_resolved, resolve
 
@@ -177,13 +182,14 @@ class Block(nn.Module):
     """Pre-norm residual block: h + attention(norm(h)), then h + feed_forward(norm(h)).
 
     The feed-forward of block `layer` is a SwiGLU of ffn_dim, or in an MoE model (`n_experts`) a
-    mixture of experts (`model/moe.py`) unless the layer is one of `dense_layers`.
+    mixture of experts (`model/moe.py`) unless the layer is one of `dense_layers`. The attention is
+    grouped-query, or multi-head latent attention (`model/mla.py`) when `kv_lora_rank` is set.
     """
 
     def __init__(self, cfg: ModelConfig, layer: int):
         super().__init__()
         self.attention_norm = RMSNorm(cfg.dim, cfg.norm_eps)
-        self.attention = Attention(cfg)
+        self.attention = LatentAttention(cfg) if cfg.kv_lora_rank is not None else Attention(cfg)
         self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.feed_forward: FeedForward | MoE
         if is_moe_layer(cfg, layer):
@@ -217,6 +223,8 @@ class Attention(nn.Module):
         self.wk = nn.Linear(cfg.dim, cfg.n_kv_heads * self.head_dim, bias=cfg.qkv_bias)
         self.wv = nn.Linear(cfg.dim, cfg.n_kv_heads * self.head_dim, bias=cfg.qkv_bias)
         self.wo = nn.Linear(cfg.n_heads * self.head_dim, cfg.dim, bias=False)
+        self.attention_width = cfg.n_heads * self.head_dim
+        """Attention's FLOPs per position, as a query width (`model/count.py`)."""
         # One gain of head_dim shared by every head (and, under tensor parallel, by every rank).
         self.q_norm = RMSNorm(self.head_dim, cfg.norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, cfg.norm_eps) if cfg.qk_norm else None
@@ -281,52 +289,6 @@ class FeedForward(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.w2(F.silu(self.w1(x)) * self.w3(x))
-
-
-class RMSNorm(nn.Module):
-    """x / rms(x) * gain, with the statistics in fp32 so bf16 activations normalise accurately."""
-
-    def __init__(self, dim: int, eps: float):
-        super().__init__()
-        self.eps = eps
-        self.weight = nn.Parameter(torch.empty(dim))
-
-    def reset_parameters(self) -> None:
-        nn.init.ones_(self.weight)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x32 = x.float()
-        normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return normed.type_as(x) * self.weight
-
-
-def rope_tables(cfg: ModelConfig, device: torch.device | str | None = None):
-    """cos, sin of position * frequency, each (max_seq_len, head_dim / 2), fp32.
-
-    Channel pair i rotates at theta^(-2i / head_dim) radians per position: fast pairs resolve
-    nearby tokens, slow ones distant tokens.
-    """
-    head_dim = cfg.head_dim
-    inv_freq = cfg.rope_theta ** -(
-        torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim
-    )  # (head_dim / 2,)
-    positions = torch.arange(cfg.max_seq_len, device=device, dtype=torch.float32)
-    angles = torch.outer(positions, inv_freq)  # (max_seq_len, head_dim / 2)
-    return angles.cos(), angles.sin()
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate channel pairs (i, i + head_dim/2) of x (B, T, heads, head_dim) by position angles.
-
-    cos/sin are (T, head_dim / 2), or (B, T, head_dim / 2) when each sequence has its own
-    positions. Rotation keeps q.k a function of the position *difference* only. Computed in fp32.
-    """
-    x1, x2 = x.float().chunk(2, dim=-1)  # (B, T, heads, head_dim / 2) each
-    if cos.dim() == 2:
-        cos, sin = cos[None], sin[None]  # (1, T, head_dim / 2)
-    cos, sin = cos[:, :, None, :], sin[:, :, None, :]  # (B or 1, T, 1, head_dim / 2)
-    rotated = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
-    return rotated.type_as(x)
 
 
 def build_model(cfg: ModelConfig, device: torch.device | str, seed: int) -> Llama:

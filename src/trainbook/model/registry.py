@@ -35,6 +35,9 @@ MOE_FIELDS = ("n_experts", "n_experts_per_token", "expert_ffn_dim", "n_shared_ex
 MOE_DEFAULTS = {"n_shared_experts": 0, "router_score": "softmax", "router_norm_topk": True, "router_bias": False,
                 "router_groups": 1, "router_topk_groups": 1, "router_scale": 1.0, "dense_layers": ()}  # fmt: skip
 _MOE_REQUIRED = ("n_experts_per_token", "expert_ffn_dim")
+# The multi-head latent attention fields (`model/mla.py`): all unset on grouped-query attention,
+# all set once `kv_lora_rank` is.
+MLA_FIELDS = ("kv_lora_rank", "q_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
 FROM_HF = "from_hf"
 
 # fmt: off
@@ -169,6 +172,34 @@ REGISTRY: dict[str, dict] = {
         norm_eps=1e-6, rope_theta=1000000.0, max_seq_len=1024, tie_embeddings=True, init_std=0.02,
         n_experts=8, n_experts_per_token=2, expert_ffn_dim=128, router_norm_topk=True, dense_layers=(0,),
     ),
+    # DeepSeek-V3 (family deepseek_v3: multi-head latent attention, model/mla.py; 256 routed experts of
+    # 2048 chosen 8 at a time within 4 of 8 groups by sigmoid scores plus a selection bias, a shared
+    # expert, the first 3 layers dense). Its config.json stretches RoPE to 163840 tokens with YaRN
+    # (factor 40 over 4096); RoPE is unscaled here, so the entry is the model at the 4096-token
+    # context it was pre-trained at, which Hugging Face loads with `rope_scaling: null`. Without the
+    # multi-token-prediction layer (num_nextn_predict_layers), which transformers does not build.
+    "deepseek-v3": dict(
+        source="https://huggingface.co/deepseek-ai/DeepSeek-V3/blob/main/config.json",
+        family="deepseek_v3",
+        dim=7168, n_layers=61, n_heads=128, n_kv_heads=128, ffn_dim=18432, vocab_size=129280,
+        norm_eps=1e-6, rope_theta=10000.0, max_seq_len=4096, tie_embeddings=False, init_std=0.02,
+        kv_lora_rank=512, q_lora_rank=1536, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128,
+        n_experts=256, n_experts_per_token=8, expert_ffn_dim=2048, n_shared_experts=1, router_score="sigmoid",
+        router_norm_topk=True, router_bias=True, router_groups=8, router_topk_groups=4, router_scale=2.5,
+        dense_layers=(0, 1, 2),
+    ),
+    # A CPU-sized DeepSeek-V3 (ours): MLA with both latents, 8 experts in 4 groups, 2 per token from
+    # the best 2 groups, a shared expert, layer 0 dense.
+    "deepseek-v3-tiny": dict(
+        source="trainbook (original; DeepSeek-V3 architecture scaled down)",
+        family="deepseek_v3",
+        dim=128, n_layers=4, n_heads=8, n_kv_heads=8, ffn_dim=384, vocab_size=2048,
+        norm_eps=1e-6, rope_theta=10000.0, max_seq_len=1024, tie_embeddings=False, init_std=0.02,
+        kv_lora_rank=32, q_lora_rank=64, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16,
+        n_experts=8, n_experts_per_token=2, expert_ffn_dim=128, n_shared_experts=1, router_score="sigmoid",
+        router_norm_topk=True, router_bias=True, router_groups=4, router_topk_groups=2, router_scale=2.5,
+        dense_layers=(0,),
+    ),
 }
 # fmt: on
 
@@ -192,7 +223,7 @@ def resolve(cfg: ModelConfig) -> ModelConfig:
     """
     given = {k: v for k, v in cfg.model_dump(include=set(ARCH_FIELDS)).items() if v is not None}
     if cfg.name == FROM_HF:
-        if any(given.get(k) is None for k in ARCH_FIELDS if k not in OPTIONS + MOE_FIELDS):
+        if any(given.get(k) is None for k in ARCH_FIELDS if k not in OPTIONS + MOE_FIELDS + MLA_FIELDS):
             raise TrainbookError("the architecture comes from model.init_from's config.json; set init_from = "
                                  "\"hf:PATH\"", where="model.name")
         entry, overrides = {}, {}
@@ -200,20 +231,26 @@ def resolve(cfg: ModelConfig) -> ModelConfig:
         entry, overrides = REGISTRY[_known(cfg.name)], given
     values = {k: entry[k] for k in ARCH_FIELDS if k in entry} | given
     fam = family(values.get("family"))
+    mla = values.get("kv_lora_rank") is not None
+    if mla and values.get("qk_rope_head_dim") is not None:
+        values.setdefault("head_dim", values["qk_rope_head_dim"])  # the RoPE table's width
     values |= {k: v for k, v in fam.defaults(values["dim"], values["n_heads"]).items() if k not in values}
     values["family"] = fam.name
     if values.get("n_experts") is not None:
         values |= {k: v for k, v in MOE_DEFAULTS.items() if k not in values}
     resolved = ModelConfig(name=cfg.name, init_from=cfg.init_from, resize_init=cfg.resize_init, **values)
-    _check_shapes(resolved, overridden=set(overrides), derived_head_dim="head_dim" not in entry | given)
+    _check_mla(resolved, overridden=set(overrides))
+    _check_shapes(resolved, overridden=set(overrides), derived_head_dim=not mla and "head_dim" not in entry | given)
     _check_experts(resolved, overridden=set(overrides))
     return resolved
 
 
 def is_resolved(cfg: ModelConfig) -> bool:
     """True when every architecture field is set (the model code needs no registry look-up): the
-    MoE fields all of them on a mixture of experts, none needed on a dense model."""
-    needed = [k for k in ARCH_FIELDS if k not in MOE_FIELDS or cfg.n_experts is not None]
+    MoE fields all of them on a mixture of experts, none needed on a dense model; the MLA fields
+    all of them under multi-head latent attention, none otherwise."""
+    needed = [k for k in ARCH_FIELDS if (k not in MOE_FIELDS or cfg.n_experts is not None)
+              and (k not in MLA_FIELDS or cfg.kv_lora_rank is not None)]
     return all(getattr(cfg, k) is not None for k in needed)
 
 
@@ -255,6 +292,40 @@ def _check_shapes(cfg: ModelConfig, overridden: set[str], derived_head_dim: bool
             f"head_dim = {how}{cfg.head_dim} is odd; RoPE needs an even head_dim",
             where=blame("dim", "n_heads") if derived_head_dim else "model.head_dim",
         )
+
+
+def _check_mla(cfg: ModelConfig, overridden: set[str]) -> None:
+    """The MLA fields fit together (`model/mla.py` can build the attention), or none is set."""
+    if cfg.kv_lora_rank is None:
+        stray = next((k for k in MLA_FIELDS if getattr(cfg, k) is not None), None)
+        if stray is not None:
+            raise TrainbookError(f"{stray} is set but kv_lora_rank is not: grouped-query attention has no latents "
+                                 "(set kv_lora_rank to make it multi-head latent attention)", where=f"model.{stray}")
+        return
+    for key in MLA_FIELDS:
+        if getattr(cfg, key) is None:
+            raise TrainbookError(f"multi-head latent attention (kv_lora_rank={cfg.kv_lora_rank}) needs {key}",
+                                 where=f"model.{key}")
+    if cfg.qk_rope_head_dim % 2:
+        raise TrainbookError(f"qk_rope_head_dim={cfg.qk_rope_head_dim} is odd; RoPE needs an even width",
+                             where="model.qk_rope_head_dim")
+    width = cfg.qk_nope_head_dim + cfg.qk_rope_head_dim
+    if cfg.v_head_dim > width:
+        raise TrainbookError(f"v_head_dim={cfg.v_head_dim} is wider than a query head (qk_nope_head_dim + "
+                             f"qk_rope_head_dim = {width}); trainbook's latent attention pads values to the query "
+                             "width for the fused attention kernels, not the other way", where="model.v_head_dim")
+    if cfg.head_dim != cfg.qk_rope_head_dim:
+        raise TrainbookError(f"head_dim={cfg.head_dim} differs from qk_rope_head_dim={cfg.qk_rope_head_dim}: under "
+                             "multi-head latent attention head_dim is RoPE's width, qk_rope_head_dim",
+                             where=_blame(overridden, "head_dim", "qk_rope_head_dim"))
+    if cfg.n_kv_heads != cfg.n_heads:
+        raise TrainbookError(f"n_kv_heads={cfg.n_kv_heads} differs from n_heads={cfg.n_heads}: multi-head latent "
+                             "attention expands a key and a value for every query head",
+                             where=_blame(overridden, "n_kv_heads", "n_heads"))
+    for option in ("qkv_bias", "qk_norm"):
+        if getattr(cfg, option):
+            raise TrainbookError(f"{option} is an option of grouped-query attention; multi-head latent attention "
+                                 f"(kv_lora_rank={cfg.kv_lora_rank}) has none", where=f"model.{option}")
 
 
 def _check_experts(cfg: ModelConfig, overridden: set[str]) -> None:

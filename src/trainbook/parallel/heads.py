@@ -10,10 +10,14 @@ from trainbook.errors import TrainbookError
 
 def check_heads(model: ModelConfig, tp: int, where: str) -> None:
     """Raises a TrainbookError at `where`'s parallel.tp when a head count is not divisible by `tp`,
-    or when the model is a mixture of experts and tp > 1 (its TP plan is not built yet)."""
+    or when the model is a mixture of experts or has latent attention and tp > 1 (their TP plans
+    are not built yet)."""
     if model.n_experts is not None and tp > 1:
         raise TrainbookError(f"tensor parallel of a mixture of experts (model.n_experts = {model.n_experts}) is not "
                              f"built yet; use tp = 1", where=f"{where}: parallel.tp")
+    if model.kv_lora_rank is not None and tp > 1:
+        raise TrainbookError(f"tensor parallel of multi-head latent attention (model.kv_lora_rank = {model.kv_lora_rank}) "
+                             "is not built yet; use tp = 1", where=f"{where}: parallel.tp")
     for heads in ("n_heads", "n_kv_heads"):
         if getattr(model, heads) % tp:
             raise TrainbookError(f"model.{heads} = {getattr(model, heads)} is not divisible by tp = {tp}",

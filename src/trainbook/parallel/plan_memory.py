@@ -107,6 +107,14 @@ def activation_terms(cfg: PlanInputs, samples: int, tp: int, r: int = 4) -> dict
       q/k norms (qk_norm, / tp: on the heads), over wq / wk outputs
         in c bytes: the fp32 input, 1/rms per head, normalised         (4 + c)(Q + K) S + 4 S (H + Hkv)
       SwiGLU (/ tp): w1 out, w3 out, silu(w1 out), their product       4 S F c
+    Multi-head latent attention (`model/mla.py`; tensor parallel is refused for it), with latents
+    Lq (0: none) and Lkv, n + p query/key channels a head (p rotated), v value channels, in place of
+    the attention and q/k norms above (two projections read the norm's output, not three):
+      each latent's norm: its fp32 input, 1/rms, normed, output       4 S L + 4 S + 2 S L c
+      RoPE's fp32 inputs: the queries' rotated channels, the shared
+        key's (in fp32 the key's also stay inside wkv_a's output)     4 S H p + 4 S p (+ 4 S p)
+      attention: q, k, the values padded to n + p, output; logsumexp  4 S H (n + p) c + 4 S H
+    and under `selective` the outputs of wq_a (or wq), wq_b, wkv_a, wkv_b and attention.
     `full` checkpointing keeps each block's input only (S D r / tp); `selective` keeps the input
     and the outputs of the matmuls and attention (q, k, v, attention out + logsumexp, w1, w3 / tp;
     wo and w2 whole, before their reduce-scatter) and recomputes the q/k norms. The RoPE tables
@@ -134,24 +142,24 @@ def activation_terms(cfg: PlanInputs, samples: int, tp: int, r: int = 4) -> dict
     m, T = cfg.model, cfg.train.seq_len
     c = compute_bytes(cfg)
     S, D, F, H = samples * T, m.dim, m.ffn_dim, m.n_heads
-    Q, K = m.n_heads * m.head_dim, m.n_kv_heads * m.head_dim
+    cast = c == 2 and r == 4  # autocast over fp32 weights: a bf16 copy of the input per projection
     norm = (4 * S * D + 4 * S + r * S * D) // tp  # one norm, sequence-sharded
-    qk_norms = (4 + c) * (Q + K) * S + 4 * S * (H + m.n_kv_heads) if m.qk_norm else 0
-    inputs = 5 * S * D * 2 if c == 2 and r == 4 else 2 * S * D * c
-    none = 2 * norm + inputs + ((2 * Q + 2 * K + 4 * F) * S * c + 4 * S * H + qk_norms) // tp
+    # The attention's saved bytes without and with selective checkpointing, and the projections
+    # reading the attention norm's output.
+    attention, attention_kept, projections = _attention_terms(m, S, c)
+    inputs = (projections + 2) * S * D * 2 if cast else 2 * S * D * c
+    none = 2 * norm + inputs + (attention + 4 * F * S * c) // tp
     full = S * D * r // tp
-    selective = full + ((2 * Q + 2 * K + 2 * F) * S * c + 4 * S * H) // tp + 2 * S * D * c
+    selective = full + (attention_kept + 2 * F * S * c) // tp + 2 * S * D * c
     moe = {}
     if m.n_experts is not None:
         E, k, Fe, Fs = m.n_experts, m.n_experts_per_token, m.expert_ffn_dim, (m.n_shared_experts or 0) * m.expert_ffn_dim
-        cast = c == 2 and r == 4  # autocast over fp32 weights
-        moe_inputs = (3 * S * D * 2 + S * D * 4 + (2 * S * D * 2 if Fs else 0)) if cast else 2 * S * D * c
+        moe_inputs = (projections * S * D * 2 + S * D * 4 + (2 * S * D * 2 if Fs else 0)) if cast else 2 * S * D * c
         router = S * E * 4 + S * k * 12 + (4 * S if m.router_norm_topk else 0)
         routed = S * k * D * c + 16 * S * k + 4 * S * k * Fe * c + 4 * S * k * D
-        attention = (2 * Q + 2 * K) * S * c + 4 * S * H
-        moe = {"moe_block_none": 2 * norm + moe_inputs + attention + qk_norms + router + routed + 4 * S * Fs * c,
+        moe = {"moe_block_none": 2 * norm + moe_inputs + attention + router + routed + 4 * S * Fs * c,
                "moe_block_full": full,
-               "moe_block_selective": full + attention + S * D * c + S * E * 4 + (2 * S * Fs * c + S * D * c if Fs else 0)}
+               "moe_block_selective": full + attention_kept + S * D * c + S * E * 4 + (2 * S * Fs * c + S * D * c if Fs else 0)}
     return {
         "block_none": none, "block_full": full, "block_selective": selective, **moe,
         "embedding": 8 * S,  # the token ids (int64)
@@ -163,6 +171,28 @@ def activation_terms(cfg: PlanInputs, samples: int, tp: int, r: int = 4) -> dict
         # The logits (whole vocabulary on every tp rank) and their gradient, around the loss.
         "logits_transient": S * m.vocab_size * (4 + (c if c != 4 else 0)),
     }
+
+
+def _attention_terms(m, S: int, c: int) -> tuple[int, int, int]:
+    """(bytes one block's attention keeps for backward, those selective checkpointing keeps, how
+    many projections read the attention norm's output), for `S` tokens in compute bytes `c`;
+    `activation_terms` says what each counts."""
+    H = m.n_heads
+    if m.kv_lora_rank is None:
+        Q, K = H * m.head_dim, m.n_kv_heads * m.head_dim
+        qk_norms = (4 + c) * (Q + K) * S + 4 * S * (H + m.n_kv_heads) if m.qk_norm else 0
+        kept = (2 * Q + 2 * K) * S * c + 4 * S * H
+        return kept + qk_norms, kept, 3
+    n, rope, v, Lq, Lkv = m.qk_nope_head_dim, m.qk_rope_head_dim, m.v_head_dim, m.q_lora_rank, m.kv_lora_rank
+    latent = lambda L: 4 * S * L + 4 * S + 2 * S * L * c if L else 0  # noqa: E731  fp32 input, 1/rms, normed, output
+    rotated = 4 * S * H * rope + 4 * S * rope + (4 * S * rope if c == 4 else 0)
+    # q, k, the values (padded to the query width, or a view of wkv_b's output when as wide), the
+    # output (padded width), logsumexp
+    width = n + rope
+    values = H * width if v < width else H * (n + v)
+    attention = (3 * H * width + values) * S * c + 4 * S * H
+    kept = (Lq + H * width + Lkv + rope + H * (n + v) + H * width) * S * c + 4 * S * H
+    return latent(Lq) + latent(Lkv) + rotated + attention, kept, 2
 
 
 def kv_cache_bytes(cfg: PlanInputs, dims: ParallelDims) -> int:

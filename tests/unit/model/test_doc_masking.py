@@ -12,9 +12,13 @@ def positions_of(lengths: list[int]) -> torch.Tensor:
     return torch.cat([torch.arange(n) for n in lengths])  # (T,)
 
 
-@pytest.mark.parametrize("n_kv_heads", [1, 4])
-def test_packed_window_equals_each_document_run_alone(n_kv_heads):
-    model = build_model(ModelConfig(name="debug", n_kv_heads=n_kv_heads), "cpu", seed=0)
+# Multi-head latent attention on the debug shape: its own RoPE width, values narrower than keys.
+MLA = dict(kv_lora_rank=16, q_lora_rank=0, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=12, n_kv_heads=4)
+
+
+@pytest.mark.parametrize("attention", [dict(n_kv_heads=1), dict(n_kv_heads=4), MLA], ids=["mqa", "mha", "mla"])
+def test_packed_window_equals_each_document_run_alone(attention):
+    model = build_model(ModelConfig(name="debug", **attention), "cpu", seed=0)
     gen = torch.Generator().manual_seed(0)
     layouts = [[5, 9, 7], [12, 9], [21]]  # 3 documents, 2, 1 in windows of 21 tokens
     tokens = torch.randint(0, 512, (len(layouts), 21), generator=gen)  # (B, T)

@@ -271,7 +271,7 @@ def test_missing_directory_or_config_json(tmp_path):
 def test_unsupported_architecture_is_named(tmp_path, changes, named):
     path = write_config(save_hf(tmp_path, tie=True)[0], **changes)
     message = (f"unsupported architecture '{named}' \\(trainbook imports LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM, "
-               "Qwen3MoeForCausalLM\\)")  # fmt: skip
+               "Qwen3MoeForCausalLM, DeepseekV3ForCausalLM\\)")  # fmt: skip
     one_line_error(model_config_from_hf, path, match=message, where=path / "config.json")
 
 

@@ -4,7 +4,7 @@ nobody's default: 8 experts of 24 hidden units, top-2, the middle of three layer
 tensor random before it is saved (transformers starts routers at zero). Then: import's logits
 against transformers' (both `norm_topk_prob`); export loaded back by transformers; import ->
 export -> import bit for bit; which layers route, as transformers decides it; the config.json
-refusals (DeepSeek-V3's MLA among them). The MoE block alone: tests/unit/model/test_moe.py."""
+refusals. The MoE block alone: tests/unit/model/test_moe.py; DeepSeek-V3: test_hf_deepseek.py."""
 
 from __future__ import annotations
 
@@ -125,16 +125,6 @@ def test_the_expert_count_reads_from_either_spelling(config_dir):
     write_config(config_dir, num_experts=8, num_experts_per_tok=9)
     one_line_error(model_config_from_hf, config_dir, match="num_experts_per_tok=9 is more than num_experts=8",
                    where=config_dir / "config.json")  # fmt: skip
-
-
-def test_deepseek_v3_is_refused_in_one_line(tmp_path):
-    """Its routing is the router's `sigmoid` kind (test_moe.py), but its attention is MLA."""
-    transformers.DeepseekV3Config(hidden_size=64, num_hidden_layers=2, n_routed_experts=8).save_pretrained(tmp_path)
-    one_line_error(model_config_from_hf, tmp_path, match="DeepseekV3ForCausalLM: DeepSeek-V3's multi-head latent "
-                   "attention \\(MLA\\) is not supported yet", where=tmp_path / "config.json")  # fmt: skip
-    write_config(tmp_path, drop=("architectures",))  # model_type alone names it too
-    one_line_error(model_config_from_hf, tmp_path, match="\\(MLA\\) is not supported yet",
-                   where=tmp_path / "config.json")
 
 
 @pytest.mark.parametrize("changes, where, message", [

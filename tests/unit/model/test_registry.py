@@ -6,7 +6,7 @@ from trainbook.config.model import ModelConfig
 from trainbook.errors import TrainbookError
 from trainbook.model import names, resolve
 from trainbook.model.families import FAMILIES
-from trainbook.model.registry import MOE_DEFAULTS, MOE_FIELDS, OPTIONS, REGISTRY, is_resolved, source
+from trainbook.model.registry import MLA_FIELDS, MOE_DEFAULTS, MOE_FIELDS, OPTIONS, REGISTRY, is_resolved, source
 
 ARCH_FIELDS = [f for f in ModelConfig.model_fields if f not in ("name", "init_from", "resize_init")]
 
@@ -21,9 +21,11 @@ def test_names_list_every_entry():
 @pytest.mark.parametrize("name", list(REGISTRY))
 def test_every_entry_is_complete_cited_and_valid(name):
     entry = REGISTRY[name]
-    required = {"source", "family", *(k for k in ARCH_FIELDS if k not in OPTIONS + MOE_FIELDS)}
+    required = {"source", "family", *(k for k in ARCH_FIELDS if k not in OPTIONS + MOE_FIELDS + MLA_FIELDS)}
     if "n_experts" in entry:  # a mixture of experts: the MoE fields but those with defaults
         required |= {k for k in MOE_FIELDS if k not in MOE_DEFAULTS}
+    if "kv_lora_rank" in entry:  # multi-head latent attention: every one of its fields
+        required |= set(MLA_FIELDS)
     assert required <= set(entry) <= {"source", *ARCH_FIELDS}, "every field but the family's options, nothing else"
     assert source(name)
     cfg = resolve(ModelConfig(name=name))
@@ -31,7 +33,7 @@ def test_every_entry_is_complete_cited_and_valid(name):
     assert all(getattr(cfg, k) == entry[k] for k in entry if k != "source")
     fam = FAMILIES[entry["family"]]  # what the entry leaves out, its family decides
     assert (cfg.qkv_bias, cfg.qk_norm) == (fam.qkv_bias, fam.qk_norm)
-    assert cfg.head_dim == entry.get("head_dim", cfg.dim // cfg.n_heads)
+    assert cfg.head_dim == entry.get("head_dim", entry.get("qk_rope_head_dim", cfg.dim // cfg.n_heads))
 
 
 def test_tiny_shape():
@@ -72,3 +74,30 @@ def test_invalid_shapes_name_the_key(overrides, where):
         resolve(ModelConfig(name="tiny", **overrides))
     assert err.value.where == where
     assert str(err.value).startswith(where + ": ")
+
+
+MLA = dict(kv_lora_rank=16, q_lora_rank=0, qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=8, n_kv_heads=6)
+
+
+@pytest.mark.parametrize("overrides, where, message", [
+    (dict(q_lora_rank=8), "model.q_lora_rank", "q_lora_rank is set but kv_lora_rank is not"),
+    ({**MLA, "v_head_dim": None}, "model.v_head_dim", "multi-head latent attention \\(kv_lora_rank=16\\) needs v_head_dim"),
+    ({**MLA, "qk_rope_head_dim": 7}, "model.qk_rope_head_dim", "qk_rope_head_dim=7 is odd"),
+    ({**MLA, "head_dim": 16}, "model.head_dim", "head_dim=16 differs from qk_rope_head_dim=8"),
+    ({**MLA, "n_kv_heads": 2}, "model.n_kv_heads", "n_kv_heads=2 differs from n_heads=6"),
+    ({**MLA, "qk_norm": True}, "model.qk_norm", "qk_norm is an option of grouped-query attention"),
+    ({**MLA, "v_head_dim": 24}, "model.v_head_dim", "v_head_dim=24 is wider than a query head"),
+])  # fmt: skip
+def test_latent_attention_fields_that_do_not_fit_name_the_key(overrides, where, message):
+    """Multi-head latent attention on the tiny Llama: its fields all set or none, RoPE's width even
+    and equal to head_dim, a key and value per query head, none of grouped-query attention's options."""
+    given = {k: v for k, v in overrides.items() if v is not None}
+    with pytest.raises(TrainbookError, match=message) as err:
+        resolve(ModelConfig(name="tiny", **given))
+    assert err.value.where == where
+
+
+def test_latent_attention_resolves_head_dim_to_the_rotated_width():
+    cfg = resolve(ModelConfig(name="tiny", **MLA))
+    assert (cfg.head_dim, cfg.kv_lora_rank, cfg.q_lora_rank) == (8, 16, 0) and is_resolved(cfg)
+    assert resolve(cfg) == cfg

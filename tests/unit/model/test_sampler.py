@@ -19,6 +19,9 @@ FAMILIES = {
     "llama": {},
     "qkv-bias": {"qkv_bias": True},
     "qk-norm": {"qk_norm": True, "head_dim": 32},
+    # Multi-head latent attention: keys 24 wide, values 12 (a cache of two widths).
+    "mla": {"kv_lora_rank": 16, "q_lora_rank": 24, "qk_nope_head_dim": 16, "qk_rope_head_dim": 8,
+            "v_head_dim": 12, "n_kv_heads": 4},
 }
 
 
@@ -28,8 +31,8 @@ def model(request):
     m = build_model(ModelConfig(name="debug", max_seq_len=32, **FAMILIES[request.param]), "cpu", seed=0)
     with torch.no_grad():  # a non-zero bias, so that padding slots would show if they leaked
         for block in m.layers.values():
-            for lin in (block.attention.wq, block.attention.wk, block.attention.wv):
-                if lin.bias is not None:
+            for lin in (getattr(block.attention, name, None) for name in ("wq", "wk", "wv")):
+                if lin is not None and lin.bias is not None:
                     lin.bias.normal_(0, 0.5)
     return m.eval()
 
