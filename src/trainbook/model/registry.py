@@ -294,18 +294,27 @@ def _check_shapes(cfg: ModelConfig, overridden: set[str], derived_head_dim: bool
         )
 
 
+def _all_or_none(cfg: ModelConfig, switch: str, fields: tuple[str, ...], required: tuple[str, ...], off: str,
+                 kind: str) -> bool:
+    """Whether `switch` turns the `fields` on: when it is unset none may be set (`off` says why),
+    when set every `required` one must be (`kind` names what the switch makes)."""
+    if getattr(cfg, switch) is None:
+        stray = next((k for k in fields if getattr(cfg, k) is not None), None)
+        if stray is not None:
+            raise TrainbookError(f"{stray} is set but {switch} is not: {off} (set {switch} to make it {kind})",
+                                 where=f"model.{stray}")
+        return False
+    for key in required:
+        if getattr(cfg, key) is None:
+            raise TrainbookError(f"{kind} ({switch}={getattr(cfg, switch)}) needs {key}", where=f"model.{key}")
+    return True
+
+
 def _check_mla(cfg: ModelConfig, overridden: set[str]) -> None:
     """The MLA fields fit together (`model/mla.py` can build the attention), or none is set."""
-    if cfg.kv_lora_rank is None:
-        stray = next((k for k in MLA_FIELDS if getattr(cfg, k) is not None), None)
-        if stray is not None:
-            raise TrainbookError(f"{stray} is set but kv_lora_rank is not: grouped-query attention has no latents "
-                                 "(set kv_lora_rank to make it multi-head latent attention)", where=f"model.{stray}")
+    if not _all_or_none(cfg, "kv_lora_rank", MLA_FIELDS, MLA_FIELDS, "grouped-query attention has no latents",
+                        "multi-head latent attention"):
         return
-    for key in MLA_FIELDS:
-        if getattr(cfg, key) is None:
-            raise TrainbookError(f"multi-head latent attention (kv_lora_rank={cfg.kv_lora_rank}) needs {key}",
-                                 where=f"model.{key}")
     if cfg.qk_rope_head_dim % 2:
         raise TrainbookError(f"qk_rope_head_dim={cfg.qk_rope_head_dim} is odd; RoPE needs an even width",
                              where="model.qk_rope_head_dim")
@@ -330,15 +339,9 @@ def _check_mla(cfg: ModelConfig, overridden: set[str]) -> None:
 
 def _check_experts(cfg: ModelConfig, overridden: set[str]) -> None:
     """The MoE fields fit together (`model/moe.py`'s router can route with them), or none is set."""
-    if cfg.n_experts is None:
-        stray = next((k for k in MOE_FIELDS if getattr(cfg, k) is not None), None)
-        if stray is not None:
-            raise TrainbookError(f"{stray} is set but n_experts is not: a dense model has no experts "
-                                 "(set n_experts to make it a mixture of experts)", where=f"model.{stray}")
+    if not _all_or_none(cfg, "n_experts", MOE_FIELDS, _MOE_REQUIRED, "a dense model has no experts",
+                        "a mixture of experts"):
         return
-    for key in _MOE_REQUIRED:
-        if getattr(cfg, key) is None:
-            raise TrainbookError(f"a mixture of experts (n_experts={cfg.n_experts}) needs {key}", where=f"model.{key}")
     experts, k, groups, topk_groups = cfg.n_experts, cfg.n_experts_per_token, cfg.router_groups, cfg.router_topk_groups
     if k > experts:
         raise TrainbookError(f"n_experts_per_token={k} is more than n_experts={experts}",
