@@ -26,6 +26,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from trainbook.commands.resolve import resolve
+from trainbook.data.samples import Batch
 from trainbook.parallel.apply import _SAVE_OPS
 from trainbook.parallel.compile import CompileChoice
 from trainbook.parallel.runtime import Runtime, end_process
@@ -183,7 +184,7 @@ def run_case(name: str, overrides: list[str], out_dir: Path) -> None:
     device = torch.device("cpu")
     rt = Runtime(rank, world, dims, device, mesh=dims.build_mesh("cpu"))
     # The trainer's own build path (it reads only these attributes of the trainer).
-    fsdp = dims.dp > 1 and cfg.parallel.data_parallel == "fsdp"
+    fsdp = dims.dp_cp > 1 and cfg.parallel.data_parallel == "fsdp"
     model, _ = surgery(full_model(cfg, device), cfg)
     engine = build_engine(model, cfg, rt, Precision(cfg.precision, device, fsdp=fsdp), PhaseTracker())
     model, pipeline = engine.model, getattr(engine, "pipeline", None)
@@ -200,8 +201,9 @@ def run_case(name: str, overrides: list[str], out_dir: Path) -> None:
         with precision.autocast():
             if pipeline is not None:
                 pipeline.step(inputs, targets, accum_steps=1)
-            else:
-                lm_loss(model(inputs), targets).backward()
+            else:  # under context parallelism this rank's share of each sequence
+                local = engine.shard(Batch(inputs, targets))
+                lm_loss(model(local.inputs, local.positions), local.targets).backward()
 
     forward_backward()
     optimizer.step()  # creates the optimizer state

@@ -72,6 +72,8 @@ LAYOUTS = {
     "fsdp2-pp2": (4, ["parallel.dp_shard=2", "parallel.pp=2"]),
     "qwen3-tp2": (2, QWEN3 + ["parallel.tp=2", "parallel.dp_shard=1"]),
     "qwen3-fsdp2": (2, QWEN3 + ["parallel.dp_shard=2"]),
+    # Context parallel: each sequence split over 2 ranks (head-tail), keys and values gathered.
+    "cp2": (2, ["parallel.cp=2", "parallel.dp_shard=1"]),
 }
 
 # Largest relative difference allowed: (loss, grad_norm, weights); see the module docstring.
@@ -213,6 +215,7 @@ RESUMED_LAYOUTS = {  # resharding: (processes, overrides)
     "fsdp2-tp2": LAYOUTS["fsdp2-tp2"],
     # The tied head's copy on the last stage takes the embedding's optimizer state.
     "pp2-1f1b": (2, ["parallel.pp=2", "parallel.dp_shard=1", "parallel.pp_schedule=1f1b"]),
+    "cp2": LAYOUTS["cp2"],
 }
 
 

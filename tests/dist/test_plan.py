@@ -53,6 +53,8 @@ TWO_RANKS = {
     "fsdp2-uneven-bf16-selective": ["parallel.dp_shard=2", "model.vocab_size=1001",  # 501 + 500 rows
                                     "precision.dtype=bf16", "train.activation_checkpoint=selective"],
     "tp2": ["parallel.dp_shard=1", "parallel.tp=2"],
+    "cp2-contiguous-selective": ["parallel.dp_shard=1", "parallel.cp=2", "parallel.cp_load_balance=none",
+                                 "train.activation_checkpoint=selective"],
     # Untied, a TP embedding without FSDP gets a Replicate gradient (the whole table per rank).
     "tp2-untied-bf16": ["parallel.dp_shard=1", "parallel.tp=2", "model.tie_embeddings=false", "precision.dtype=bf16"],
     "pp2": PP2 + ["parallel.pp_schedule=gpipe"],
@@ -77,6 +79,9 @@ FOUR_RANKS = {
     # HSDP with expert parallel inside each replica: the experts on (dp_replicate, efsdp, ep).
     "moe-hsdp2x2-ep2-bf16": MOE + ["parallel.dp_replicate=2", "parallel.dp_shard=2", "parallel.ep=2",
                                    "precision.dtype=bf16"],
+    # Context parallel over FSDP: parameters sharded over dp_shard x cp, each rank's share of the
+    # sequence with every rank's keys and values (and the mask) kept for backward.
+    "fsdp2-cp2-bf16": ["parallel.dp_shard=2", "parallel.cp=2", "precision.dtype=bf16"],
 }
 CASES = {name: COMMON + overrides for name, overrides in (TWO_RANKS | FOUR_RANKS).items()}
 

@@ -336,6 +336,8 @@ def _check_model_layout(cfg: Config, dims: ParallelDims, where: str) -> None:
         # recompute than in the forward, which torch 2.13's selective checkpointing refuses.
         raise TrainbookError("selective activation checkpointing does not run with expert parallelism yet; "
                              "use full (or none)", where=f"{where}: train.activation_checkpoint")
+    if dims.cp > 1:
+        _check_context_parallel(cfg, dims, where)
     if dims.pp == 1:
         return
     if cfg.precision.dtype == "fp16":
@@ -354,6 +356,24 @@ def _check_model_layout(cfg: Config, dims: ParallelDims, where: str) -> None:
     elif m.n_layers < stages:
         raise TrainbookError(f"{stages} pipeline stages need at least {stages} layers; the model has {m.n_layers}",
                              where=f"{where}: parallel.pp")
+
+
+def _check_context_parallel(cfg: Config, dims: ParallelDims, where: str) -> None:
+    """What context parallelism (parallel/cp.py) needs of the recipe beyond the layout's degrees."""
+    chunks = (2 if cfg.parallel.cp_load_balance == "head_tail" else 1) * dims.cp * dims.tp
+    if cfg.train.seq_len % chunks:
+        how = "2 x cp x tp" if cfg.parallel.cp_load_balance == "head_tail" else "cp x tp"
+        raise TrainbookError(f"seq_len = {cfg.train.seq_len} does not split into {how} = {chunks} equal chunks "
+                             f"(cp = {dims.cp}, tp = {dims.tp}, cp_load_balance = {cfg.parallel.cp_load_balance})",
+                             where=f"{where}: train.seq_len")
+    not_yet = {"model.n_experts": cfg.model.n_experts is not None and "a mixture of experts",
+               "grpo": cfg.grpo.enabled and "GRPO (its rollouts sample whole sequences)",
+               "dpo": cfg.dpo_enabled and "DPO (its sequence log-probabilities)",
+               "data.packing": cfg.data.packing == "pad" and "pad packing (each micro-batch cut to its own width)"}
+    for key, what in not_yet.items():
+        if what:
+            raise TrainbookError(f"context parallelism (parallel.cp = {dims.cp}) with {what} is not built yet",
+                                 where=f"{where}: {key}")
 
 
 def _divisors(n: int) -> list[int]:

@@ -11,7 +11,7 @@ from trainbook.config.section import Section
 
 
 class ParallelConfig(Section):
-    """How the world's ranks are laid out: dp_replicate x dp_shard x tp x pp = world size.
+    """How the world's ranks are laid out: dp_replicate x dp_shard x cp x tp x pp = world size.
 
     One degree may be -1: it takes whatever the others leave of the world size.
     """
@@ -29,6 +29,16 @@ class ParallelConfig(Section):
     splits the routed experts between them, tokens travel to their experts and back by all-to-all,
     and the experts are FSDP-sharded over the other dp_shard / ep ranks. Must divide dp_shard and
     the number of experts; not with tp > 1 or pp > 1 yet."""
+    cp: int = Field(default=1, ge=1)
+    """Context-parallel degree (parallel/cp.py): every sequence is split over `cp` ranks, each
+    holding 1 / cp of its tokens (queries) and gathering every rank's keys and values in each
+    attention; parameters are FSDP-sharded over dp_shard x cp. The sequence length must divide by
+    2 x cp x tp (`cp_load_balance = "head_tail"`) or cp x tp. Not with pp > 1, ep > 1, ddp, a
+    mixture of experts, GRPO or DPO yet."""
+    cp_load_balance: Literal["head_tail", "none"] = "head_tail"
+    """How a sequence's tokens are dealt to the cp ranks: `head_tail` cuts it into 2 x cp chunks and
+    gives rank r chunks r and 2 cp - 1 - r, so every rank has as much causal attention to compute;
+    `none` gives rank r the r-th contiguous 1 / cp (the last rank then attends to the most keys)."""
     data_parallel: Literal["fsdp", "ddp"] = "fsdp"
     """`fsdp`: FSDP2 over dp_shard (HSDP when dp_replicate > 1 too); `ddp`: replicate (needs dp_shard = 1)."""
     pp_schedule: Literal["gpipe", "1f1b", "interleaved1f1b"] = "1f1b"

@@ -143,7 +143,7 @@ class LayerStats:
             "blocks": _sum_by(self.block_of, rows), "groups": _sum_by(self.group_of, rows),
             "acts": self._activations(),
             # One rank per pipeline stage speaks for it (the others hold the same global sums).
-            "speaks": coord["tp"] == 0 and self.rt.dp_rank == 0,
+            "speaks": coord["tp"] == 0 and coord["cp"] == 0 and self.rt.dp_rank == 0,
         }
         parts = [mine]
         if self.rt.distributed:
@@ -172,10 +172,11 @@ class LayerStats:
         sums = torch.stack([self.acts[b].sums for b in names])
         max_abs = torch.stack([self.acts[b].max_abs for b in names])
         if self.rt.distributed:
-            # Data-parallel ranks saw other samples; tensor-parallel ones hold other positions of
-            # the sequence (between blocks the residual stream is sequence-sharded, parallel/apply.py).
+            # Data-parallel ranks saw other samples; tensor- and context-parallel ones hold other
+            # positions of the sequence (between blocks the residual stream is sequence-sharded,
+            # parallel/apply.py; cp ranks hold their share of each sequence, parallel/cp.py).
             sizes = self.rt.dims.sizes()
-            for dim in ("dp_replicate", "dp_shard", "tp"):
+            for dim in ("dp_replicate", "dp_shard", "cp", "tp"):
                 if sizes[dim] == 1:
                     continue
                 group = self.rt.mesh[dim].get_group()

@@ -62,6 +62,10 @@ class Llama(nn.Module):
         self.tie_weights()
         self.chunked_loss: ChunkedLoss | None = None
         """Set by parallel/apply.py when the run's loss is chunked (`train.loss`); None: full logits."""
+        self.context_parallel = None
+        """Set by parallel/apply.py under context parallelism (parallel/cp.py's ContextParallel):
+        each sequence arrives as this rank's share, with its positions, and every attention
+        gathers the other ranks' keys and values."""
         self.hidden_out = False
         """A pipeline's last stage under a chunked loss returns normed hidden states: its loss
         function applies the head (`loss`)."""
@@ -143,6 +147,7 @@ class Llama(nn.Module):
                 h = block(h, cos, sin, mask, kv=cache.layer(name))
             cache.advance(seq_len)
             return self.output(self.norm(h[:, -1:]))  # (B, 1, vocab_size)
+        cp, kv = self.context_parallel, None
         if positions is None:
             # The whole table: each attention cuts it to its own (gathered) sequence length, since
             # a later pipeline stage under sequence parallel receives a shard of the sequence here.
@@ -150,9 +155,12 @@ class Llama(nn.Module):
             mask = None
         else:
             cos, sin = self.rope_cos[positions], self.rope_sin[positions]  # (B, T, head_dim / 2)
-            mask = document_mask(positions)  # (B, 1, T, T)
+            if cp is None:
+                mask = document_mask(positions)  # (B, 1, T, T)
+            else:  # this rank's share of each sequence: its queries over every rank's keys
+                mask, kv = cp.mask(positions), cp.kv  # (B, 1, T, T x cp)
         for block in self.layers.values():
-            h = block(h, cos, sin, mask)
+            h = block(h, cos, sin, mask, kv)
         h = self.norm(h) if self.norm is not None else h
         if self.output is None or self.hidden_out:
             return h  # (B, T, dim)

@@ -35,6 +35,7 @@ from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selectiv
 from trainbook.model.lora import LoRALinear
 from trainbook.model.loss import ChunkedLoss
 from trainbook.model.moe import Router
+from trainbook.parallel.cp import ContextParallel
 from trainbook.parallel.dims import ParallelDims
 from trainbook.parallel.ep import apply_ep, expert_modules
 
@@ -63,6 +64,8 @@ class ApplyOptions:
     """FSDP2's MixedPrecisionPolicy (Precision.fsdp_policy()); None: no casts."""
     loss: str = "full"
     """`chunked` or `full` (train.loss as parallel/compile.py settled it)."""
+    cp_load_balance: str = "head_tail"
+    """How a sequence's positions are dealt to the cp ranks (parallel.cp_load_balance)."""
 
 
 def parallelize(model: nn.Module, dims: ParallelDims, mesh, opts: ApplyOptions) -> nn.Module:
@@ -80,7 +83,9 @@ def parallelize(model: nn.Module, dims: ParallelDims, mesh, opts: ApplyOptions) 
             block.compile()
     if opts.loss == "chunked" and getattr(model, "output", None) is not None:
         model.chunked_loss = ChunkedLoss(compiled=opts.compile)
-    if dims.dp > 1:
+    if dims.cp > 1:
+        model.context_parallel = ContextParallel(mesh["cp"], opts.cp_load_balance)
+    if dims.dp_cp > 1:
         if opts.data_parallel == "ddp":
             from torch.distributed._composable import replicate
 
@@ -92,8 +97,23 @@ def parallelize(model: nn.Module, dims: ParallelDims, mesh, opts: ApplyOptions) 
 
 
 def dp_mesh(mesh, dims: ParallelDims):
-    """FSDP's mesh: 2-D (replicate, shard) for HSDP, else just the sharded dimension."""
-    return mesh["dp_replicate", "dp_shard"] if dims.dp_replicate > 1 else mesh["dp_shard"]
+    """FSDP's mesh: 2-D (replicate, shard) for HSDP, else just the sharded dimension; under context
+    parallelism the sharded dimension is dp_shard x cp flattened (cp ranks hold the same model and
+    average their gradients, each having seen its share of the sequences)."""
+    shard = "dp_shard"
+    if dims.cp > 1:
+        shard = "dp_shard_cp"
+        if shard not in (mesh.mesh_dim_names or ()) and shard not in _flattened(mesh):
+            mesh["dp_shard", "cp"]._flatten(shard)
+    return mesh["dp_replicate", shard] if dims.dp_replicate > 1 else mesh[shard]
+
+
+def _flattened(mesh) -> set[str]:
+    # The names of the dimensions flattened from `mesh` so far (a pipeline flattens once per stage).
+    try:
+        return set(mesh._get_root_mesh()._flatten_mapping) if hasattr(mesh, "_get_root_mesh") else set()
+    except AttributeError:
+        return set()
 
 
 def expert_dp_mesh(expert_mesh, dims: ParallelDims):

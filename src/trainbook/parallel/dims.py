@@ -5,11 +5,14 @@ The device mesh has up to four named dimensions, outermost first:
     pp            pipeline stages: ranks that hand activations to each other (point-to-point)
     dp_replicate  HSDP/DDP replicas: gradients all-reduced across them
     dp_shard      FSDP2 shards: parameters all-gathered, gradients reduce-scattered
+    cp            context parallel: ranks that split each sequence (parallel/cp.py); FSDP2
+                  shards parameters over dp_shard x cp
     tp            tensor parallel: ranks that split each matmul (innermost, so on one node)
 
-A rank's place in the world is row-major over (pp, dp_replicate, dp_shard, tp): the tp ranks of one
-group are consecutive, which keeps the most talkative dimension within a node. Data-parallel ranks
-(dp_replicate x dp_shard of them) each read a different slice of every global batch.
+A rank's place in the world is row-major over (pp, dp_replicate, dp_shard, cp, tp): the tp ranks of
+one group are consecutive, which keeps the most talkative dimension within a node, and the cp ranks
+next. Data-parallel ranks (dp_replicate x dp_shard of them) each read a different slice of every
+global batch; the cp and tp ranks of one read the same samples.
 
 Expert parallelism splits dp_shard once more, for a mixture of experts' routed experts only:
 dp_shard = efsdp x ep, ep innermost (its ranks consecutive, as tp's: the all-to-all of tokens
@@ -29,7 +32,7 @@ from dataclasses import dataclass
 from trainbook.config import ParallelConfig
 from trainbook.errors import TrainbookError
 
-MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "tp")
+MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
 
 
 @dataclass(frozen=True)
@@ -40,15 +43,23 @@ class ParallelDims:
     pp: int
     ep: int = 1
     """Expert-parallel degree, carved out of dp_shard (not a dimension of `build_mesh`'s mesh)."""
+    cp: int = 1
+    """Context-parallel degree: ranks splitting each sequence."""
 
     @property
     def world_size(self) -> int:
-        return self.dp_replicate * self.dp_shard * self.tp * self.pp
+        return self.dp_replicate * self.dp_shard * self.cp * self.tp * self.pp
 
     @property
     def dp(self) -> int:
         """Data-parallel ranks: how many slices each global batch is cut into."""
         return self.dp_replicate * self.dp_shard
+
+    @property
+    def dp_cp(self) -> int:
+        """Ranks whose gradients are averaged, and over which FSDP2 shards (with dp_replicate):
+        the data-parallel ranks, each split into cp ranks holding shares of its sequences."""
+        return self.dp * self.cp
 
     def sizes(self) -> dict[str, int]:
         return {name: getattr(self, name) for name in MESH_DIMS}
@@ -70,7 +81,7 @@ class ParallelDims:
         return c["dp_replicate"] * self.dp_shard + c["dp_shard"]
 
     def build_mesh(self, device_type: str):
-        """The DeviceMesh over all four dimensions (size-1 ones included, so names always exist)."""
+        """The DeviceMesh over all five dimensions (size-1 ones included, so names always exist)."""
         from torch.distributed.device_mesh import init_device_mesh
 
         return init_device_mesh(device_type, tuple(self.sizes().values()), mesh_dim_names=MESH_DIMS)
@@ -100,9 +111,10 @@ def resolve_dims(parallel: ParallelConfig, world_size: int, where: str) -> Paral
                 where=f"{where}: parallel.{rest}",
             )
         degrees[rest] = world_size // known
-    dims = ParallelDims(degrees["dp_replicate"], degrees["dp_shard"], degrees["tp"], degrees["pp"], p.ep)
+    dims = ParallelDims(degrees["dp_replicate"], degrees["dp_shard"], degrees["tp"], degrees["pp"], p.ep,
+                        cp=degrees["cp"])
     if dims.world_size != world_size:
-        layout = " x ".join(f"{k}={v}" for k, v in dims.sizes().items())
+        layout = " x ".join(f"{k}={v}" for k, v in dims.sizes().items() if k != "cp" or v > 1)
         raise TrainbookError(f"{layout} = {dims.world_size} ranks, but the world size is {world_size}",
                              where=f"{where}: parallel")
     if p.data_parallel == "ddp" and dims.dp_shard != 1:
@@ -117,6 +129,14 @@ def resolve_dims(parallel: ParallelConfig, world_size: int, where: str) -> Paral
     if dims.ep > 1 and dims.pp > 1:
         raise TrainbookError(f"expert parallelism with pipeline parallelism (pp = {dims.pp}) is not built yet; "
                              "use pp = 1 with ep > 1", where=f"{where}: parallel.ep")
+    if dims.cp > 1:
+        for name, degree, what in (("pp", dims.pp, "pipeline parallelism"), ("ep", dims.ep, "expert parallelism")):
+            if degree > 1:
+                raise TrainbookError(f"context parallelism with {what} ({name} = {degree}) is not built yet; "
+                                     f"use {name} = 1 with cp > 1", where=f"{where}: parallel.cp")
+        if p.data_parallel == "ddp":
+            raise TrainbookError("context parallelism shards parameters over dp_shard x cp with FSDP2; "
+                                 "ddp does not take it", where=f"{where}: parallel.cp")
     if dims.pp > 1:
         _check_schedule(p, dims, where)
     return dims

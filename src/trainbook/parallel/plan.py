@@ -47,15 +47,17 @@ def _placement_name(p) -> str:
 
 def _coords(dims: ParallelDims) -> list[dict[str, int]]:
     """The rank coordinates to simulate. dp_replicate never changes what a rank holds (replicas
-    are copies), so its index is 0. All (pp, dp_shard, tp) when few; else each pipeline rank at
-    the first and last dp_shard/tp index (the first holds the largest chunks, torch.chunk-style)."""
+    are copies), so its index is 0. All (pp, dp_shard, cp, tp) when few; else each pipeline rank at
+    the first and last dp_shard/cp/tp index (the first holds the largest chunks, torch.chunk-style;
+    FSDP shards over dp_shard x cp under context parallelism)."""
     sizes = dims.sizes()
-    if sizes["pp"] * sizes["dp_shard"] * sizes["tp"] <= MAX_SIMULATED:
-        shard, tp = range(sizes["dp_shard"]), range(sizes["tp"])
+    inner = ("dp_shard", "cp", "tp")
+    if sizes["pp"] * sizes["dp_shard"] * sizes["cp"] * sizes["tp"] <= MAX_SIMULATED:
+        shard, cp, tp = (range(sizes[k]) for k in inner)
     else:
-        shard, tp = sorted({0, sizes["dp_shard"] - 1}), sorted({0, sizes["tp"] - 1})
-    return [{"pp": p, "dp_replicate": 0, "dp_shard": s, "tp": t}
-            for p in range(sizes["pp"]) for s in shard for t in tp]
+        shard, cp, tp = (sorted({0, sizes[k] - 1}) for k in inner)
+    return [{"pp": p, "dp_replicate": 0, "dp_shard": s, "cp": c, "tp": t}
+            for p in range(sizes["pp"]) for s in shard for c in cp for t in tp]
 
 
 _SIMULATED: dict[str, dict[int, dict]] = {}
@@ -115,7 +117,7 @@ def _simulate_rank(cfg: PlanInputs, dims: ParallelDims, rank: int) -> dict:
     # DDP (`replicate`) checks shapes with .item(), which meta tensors refuse, and leaves every
     # parameter as it is: simulate without it.
     run_dims = dataclasses.replace(dims, dp_replicate=1) if cfg.parallel.data_parallel == "ddp" else dims
-    fsdp = run_dims.dp > 1
+    fsdp = run_dims.dp_cp > 1
     # Compiling a block wraps its forward and places nothing: left out (it costs seconds at 80 blocks).
     opts = ApplyOptions(cfg.train.activation_checkpoint, False, cfg.parallel.data_parallel, fsdp_policy(cfg.dtype))
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=dims.world_size)
@@ -255,6 +257,8 @@ def _mesh(dims: ParallelDims, cfg: PlanInputs) -> dict:
              "dp_replicate": "DDP replicas (all-reduce gradients)" if cfg.parallel.data_parallel == "ddp"
              else "HSDP replicas (all-reduce gradient shards)",
              "dp_shard": "FSDP2 shards (all-gather params, reduce-scatter grads)",
+             "cp": "context parallel: each sequence split, keys and values all-gathered per attention "
+                   "(FSDP2 shards over dp_shard x cp)",
              "tp": "tensor parallel + sequence parallel"}
     groups: dict[str, list[list[int]]] = {}
     dp_groups: dict[tuple, list[int]] = {}
@@ -321,9 +325,13 @@ def _params(ranks: dict[int, dict], dims: ParallelDims) -> list[dict]:
         for name, d in ranks[rank]["params"].items():
             if name not in out:
                 # Expert-parallel experts live on (efsdp, ep), the two parts of dp_shard.
+                # Under context parallelism FSDP shards over dp_shard x cp, flattened (dp_shard_cp).
                 split = "ep" in d["placements"]
-                dims_of = ("dp_replicate", "efsdp", "ep", "tp") if split else ("dp_replicate", "dp_shard", "tp")
-                placements = {k: d["placements"].get(k, "Replicate") for k in dims_of if getattr(dims, k) > 1}
+                shard = "dp_shard_cp" if dims.cp > 1 else "dp_shard"
+                dims_of = ("dp_replicate", "efsdp", "ep", "tp") if split else ("dp_replicate", shard, "tp")
+                size = {"efsdp": dims.efsdp, "ep": dims.ep, "dp_shard_cp": dims.dp_shard * dims.cp}
+                placements = {k: d["placements"].get(k, "Replicate") for k in dims_of
+                              if size.get(k, getattr(dims, k, 1)) > 1}
                 if dims.pp > 1:
                     placements["pp"] = f"pp rank {ranks[rank]['pp']}"
                 out[name] = {"name": name, "shape": d["shape"], "placements": placements, "first_rank": rank,
@@ -340,7 +348,8 @@ def _batch(cfg: PlanInputs, dims: ParallelDims) -> dict:
     out = {"seq_len": t.seq_len, "global_batch_tokens": per_rank * dims.dp * t.seq_len,
            "global_samples": per_rank * dims.dp, "data_parallel_ranks": dims.dp,
            "micro_batch_size": t.micro_batch_size, "accum_steps": accum,
-           "samples_per_rank": per_rank, "tokens_per_rank": per_rank * t.seq_len}
+           "samples_per_rank": per_rank, "tokens_per_rank": per_rank * t.seq_len,
+           **({"cp": dims.cp} if dims.cp > 1 else {})}
     if dims.pp > 1:
         n = pipeline_microbatches(p, dims.pp)
         out |= {"pp_microbatches": n, "pp_microbatch_samples": t.micro_batch_size // n}

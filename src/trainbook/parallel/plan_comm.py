@@ -22,18 +22,19 @@ def gradient_path(dims: ParallelDims, cfg: PlanInputs) -> list[dict]:
     tokens = t.micro_batch_size // n_mb * t.seq_len  # (B, T) of one micro-batch (pipeline chunk)
     r = residual_bytes(cfg, dims)
     path = []
-    if dims.dp > 1 and p.data_parallel == "fsdp":
+    shard_dim = "dp_shard_cp" if dims.cp > 1 else "dp_shard"
+    if dims.dp_cp > 1 and p.data_parallel == "fsdp":
         pd = c  # FSDP's MixedPrecisionPolicy gathers parameters in the compute dtype
-        path.append({"dim": "dp_shard", "op": "all-gather", "bytes": block * pd, "per": "block",
+        path.append({"dim": shard_dim, "op": "all-gather", "bytes": block * pd, "per": "block",
                      "text": f"all-gather each block's parameters before its forward and again before its "
                              f"backward ({human(block * pd)} per block in {_dtype(pd, cfg)}; the root's embedding, "
                              f"norm and head, {human(root * pd)}, once per pass and kept; the last block "
                              f"stays gathered for backward)"})
-        path.append({"dim": "dp_shard", "op": "reduce-scatter", "bytes": block * 4, "per": "block",
+        path.append({"dim": shard_dim, "op": "reduce-scatter", "bytes": block * 4, "per": "block",
                      "text": f"reduce-scatter each block's gradient after its backward ({human(block * 4)} per "
                              f"block in fp32): every pass, {accum} pass(es) per step"})
         if dims.dp_replicate > 1:
-            shard = (m.n_layers * block + root) * 4 // dims.dp_shard // dims.pp
+            shard = (m.n_layers * block + root) * 4 // (dims.dp_shard * dims.cp) // dims.pp
             path.append({"dim": "dp_replicate", "op": "all-reduce", "bytes": shard, "per": "pass",
                          "text": f"all-reduce the reduce-scattered gradient shards across the {dims.dp_replicate} "
                                  f"replicas (HSDP; ~{human(shard)} per rank per pass)"})
@@ -59,6 +60,8 @@ def gradient_path(dims: ParallelDims, cfg: PlanInputs) -> list[dict]:
         path.append({"dim": "tp", "op": "all-reduce", "bytes": (m.n_layers * gains + m.dim) * 4, "per": "step",
                      "text": f"norm-gain gradients{qk} are partial sums (Partial) on each tp rank: all-reduced "
                              "when clipping and the optimizer read them"})
+    if dims.cp > 1:
+        path.append(_context_path(dims, cfg, tokens, accum))
     if dims.ep > 1:
         path += _expert_path(dims, cfg, tokens, accum)
     if dims.pp > 1:
@@ -73,6 +76,28 @@ def gradient_path(dims: ParallelDims, cfg: PlanInputs) -> list[dict]:
                          "text": "tied embedding: the first and last stage exchange the embedding / head "
                                  "gradient shards once per step and both add them"})
     return path
+
+
+def _context_path(dims: ParallelDims, cfg: PlanInputs, tokens: int, accum: int) -> dict:
+    """Context parallelism's all-gathers: every attention gathers the cp ranks' keys and values of
+    a micro-batch in forward (again in a recomputed forward) and reduce-scatters their gradients
+    in backward; each rank receives the other ranks' (cp - 1) / cp of them."""
+    m, t = cfg.model, cfg.train
+    c = compute_bytes(cfg)
+    if m.kv_lora_rank is None:
+        width = 2 * m.n_kv_heads * m.head_dim // dims.tp
+    else:
+        width = m.n_heads * (m.qk_nope_head_dim + m.qk_rope_head_dim + m.v_head_dim)
+    whole = tokens * width * c  # one layer's keys and values of a micro-batch, whole sequence
+    received = whole * (dims.cp - 1) // dims.cp
+    passes = 3 if t.activation_checkpoint != "none" else 2
+    per_step = received * m.n_layers * passes * accum
+    return {"dim": "cp", "op": "all-gather + reduce-scatter", "bytes": received, "per": "layer",
+            "text": f"every attention all-gathers the keys and values of the whole sequence ({human(whole)} a "
+                    f"layer and micro-batch in {_dtype(c, cfg)}, {human(received)} of them from the other "
+                    f"{dims.cp - 1} rank(s)) in forward{' and again in the recompute' if passes == 3 else ''}, and "
+                    f"reduce-scatters their gradient in backward: {human(per_step)} received per rank per step "
+                    f"({m.n_layers} layers x {passes} x {accum} pass(es)), plus each micro-batch's positions"}
 
 
 def _expert_path(dims: ParallelDims, cfg: PlanInputs, tokens: int, accum: int) -> list[dict]:

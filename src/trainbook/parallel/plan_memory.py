@@ -85,11 +85,11 @@ def routed_numel(cfg: PlanInputs) -> int:
 def residual_bytes(cfg: PlanInputs, dims: ParallelDims) -> int:
     """The residual stream's element size: fp32, except when FSDP's mixed-precision policy hands
     the model bf16 weights (the embedding then returns bf16); autocast alone keeps it fp32."""
-    fsdp = dims.dp > 1 and cfg.parallel.data_parallel == "fsdp"
+    fsdp = dims.dp_cp > 1 and cfg.parallel.data_parallel == "fsdp"
     return 2 if fsdp and cfg.dtype != "fp32" else 4
 
 
-def activation_terms(cfg: PlanInputs, samples: int, tp: int, r: int = 4) -> dict[str, int]:
+def activation_terms(cfg: PlanInputs, samples: int, tp: int, r: int = 4, cp: int = 1) -> dict[str, int]:
     """Bytes saved for backward by one micro-batch of `samples` sequences, per part (the decoder
     with its family's options; q/k/v biases add nothing: a projection's output is saved or not
     whatever its bias).
@@ -134,19 +134,23 @@ def activation_terms(cfg: PlanInputs, samples: int, tp: int, r: int = 4) -> dict
       shared experts: a SwiGLU of Fs (its input cast twice under autocast)  4 S Fs c (+ 2 S D 2)
     and under `selective` the router's logits (S E 4), the shared experts' matmul outputs
     (2 S Fs c + S D c) and wo's: the experts' grouped matmuls are recomputed.
+    Under context parallelism (cp) S is this rank's share of the tokens, samples x seq_len / cp,
+    and the attention keeps every cp rank's keys and values, gathered (2 K S cp c in place of
+    2 K S c), beside the mask of its queries over every key (S x seq_len bytes, one for all blocks)
+    and the positions.
     tests/dist/test_plan.py holds this against saved-tensor hooks on real ranks (fp32 and bf16,
     FSDP, TP and every pipeline schedule, with and without checkpointing; a Qwen3-shaped model:
     q/k norms, Q != D, GQA, under TP in fp32 and bf16; in one process a tiny MoE with and without
     a shared expert).
     """
-    m, T = cfg.model, cfg.train.seq_len
+    m, T = cfg.model, cfg.train.seq_len // cp
     c = compute_bytes(cfg)
     S, D, F, H = samples * T, m.dim, m.ffn_dim, m.n_heads
     cast = c == 2 and r == 4  # autocast over fp32 weights: a bf16 copy of the input per projection
     norm = (4 * S * D + 4 * S + r * S * D) // tp  # one norm, sequence-sharded
     # The attention's saved bytes without and with selective checkpointing, and the projections
     # reading the attention norm's output.
-    attention, attention_kept, projections = _attention_terms(m, S, c)
+    attention, attention_kept, projections = _attention_terms(m, S, c, cp)
     inputs = (projections + 2) * S * D * 2 if cast else 2 * S * D * c
     none = 2 * norm + inputs + (attention + 4 * F * S * c) // tp
     full = S * D * r // tp
@@ -162,7 +166,9 @@ def activation_terms(cfg: PlanInputs, samples: int, tp: int, r: int = 4) -> dict
                "moe_block_selective": full + attention_kept + S * D * c + S * E * 4 + (2 * S * Fs * c + S * D * c if Fs else 0)}
     return {
         "block_none": none, "block_full": full, "block_selective": selective, **moe,
-        "embedding": 8 * S,  # the token ids (int64)
+        # the token ids (int64); under context parallelism the positions too and the mask of this
+        # rank's queries over every key (bool), one for all blocks
+        "embedding": 8 * S + (8 * S + S * T * cp if cp > 1 else 0),
         # final norm, its gathered output, log-probabilities, targets, the loss's weight total
         "head": norm + S * D * c + S * m.vocab_size * 4 + 8 * S + 4,
         # Kept by a pipeline stage until the micro-batch's backward (PipelineStage's cache).
@@ -173,16 +179,19 @@ def activation_terms(cfg: PlanInputs, samples: int, tp: int, r: int = 4) -> dict
     }
 
 
-def _attention_terms(m, S: int, c: int) -> tuple[int, int, int]:
+def _attention_terms(m, S: int, c: int, cp: int = 1) -> tuple[int, int, int]:
     """(bytes one block's attention keeps for backward, those selective checkpointing keeps, how
-    many projections read the attention norm's output), for `S` tokens in compute bytes `c`;
-    `activation_terms` says what each counts."""
+    many projections read the attention norm's output), for `S` tokens (this rank's) in compute
+    bytes `c`; `activation_terms` says what each counts. Under context parallelism the keys and
+    values attention keeps are every cp rank's, gathered (selective checkpointing gathers them
+    again in the recompute)."""
     H = m.n_heads
     if m.kv_lora_rank is None:
         Q, K = H * m.head_dim, m.n_kv_heads * m.head_dim
         qk_norms = (4 + c) * (Q + K) * S + 4 * S * (H + m.n_kv_heads) if m.qk_norm else 0
         kept = (2 * Q + 2 * K) * S * c + 4 * S * H
-        return kept + qk_norms, kept, 3
+        gathered = 2 * K * S * (cp - 1) * c
+        return kept + qk_norms + gathered, kept, 3
     n, rope, v, Lq, Lkv = m.qk_nope_head_dim, m.qk_rope_head_dim, m.v_head_dim, m.q_lora_rank, m.kv_lora_rank
     latent = lambda L: 4 * S * L + 4 * S + 2 * S * L * c if L else 0  # noqa: E731  fp32 input, 1/rms, normed, output
     rotated = 4 * S * H * rope + 4 * S * rope + (4 * S * rope if c == 4 else 0)
@@ -190,7 +199,7 @@ def _attention_terms(m, S: int, c: int) -> tuple[int, int, int]:
     # output (padded width), logsumexp
     width = n + rope
     values = H * width if v < width else H * (n + v)
-    attention = (3 * H * width + values) * S * c + 4 * S * H
+    attention = (2 * H * width + (H * width + values) * cp) * S * c + 4 * S * H
     kept = (Lq + H * width + Lkv + rope + H * (n + v) + H * width) * S * c + 4 * S * H
     return latent(Lq) + latent(Lkv) + rotated + attention, kept, 2
 
@@ -217,7 +226,7 @@ def weight_casts(cfg: PlanInputs, dims: ParallelDims, held: dict) -> dict[str, i
     checkpointing only the head's (inside a checkpointed block they are dropped after forward).
     None in fp32, none under FSDP, which gathers the weights in bf16 itself, and none of a weight
     held in the compute dtype already (a frozen projection, precision.hold_frozen_projections)."""
-    if cfg.dtype == "fp32" or (dims.dp > 1 and cfg.parallel.data_parallel == "fsdp"):
+    if cfg.dtype == "fp32" or (dims.dp_cp > 1 and cfg.parallel.data_parallel == "fsdp"):
         return {"none": 0, "full": 0, "selective": 0}
     head_name = "tok_embeddings.weight" if cfg.model.tie_embeddings and dims.pp == 1 else "output.weight"
     fp32 = {n: d for n, d in held["params"].items() if d["dtype"] == "float32"}
@@ -246,7 +255,7 @@ def activations(cfg: PlanInputs, dims: ParallelDims, pipeline: dict | None, pp_r
         n_mb = pipeline["microbatches"]
         samples = t.micro_batch_size // n_mb
         ops = schedule_actions(p.pp_schedule, n_mb, dims.pp, pp_rank, len(stages))
-    a = activation_terms(cfg, samples, dims.tp, residual_bytes(cfg, dims))
+    a = activation_terms(cfg, samples, dims.tp, residual_bytes(cfg, dims), dims.cp)
     has_last = any(last for _, _, last in stages)
     routed = [sum(is_moe_layer(cfg.model, i) for i in range(lo, hi)) for lo, hi in spans]  # MoE layers a stage
     # What a stage's micro-batch keeps after its forward; a pipeline stage also holds its output.
@@ -291,7 +300,7 @@ def _transient(cfg: PlanInputs, dims: ParallelDims, held: dict, grads: int) -> i
     """Communication buffers, estimated: FSDP's gathered parameters (the root's for the whole
     pass, the current, prefetched and kept-last block, one block's unsharded fp32 gradient
     before its reduce-scatter), or DDP's gradient buckets (a second copy of the gradients)."""
-    if dims.dp == 1:
+    if dims.dp_cp == 1:
         return 0
     if cfg.parallel.data_parallel == "ddp":
         return grads

@@ -26,9 +26,10 @@ def render(plan: dict) -> str:
         lines[-1:-1] = [f"LoRA rank {lora['rank']}, alpha {lora['alpha']:g}: {lora['trainable_params']:,} adapter "
                         "parameters train; the base is frozen (its weights held, no gradients, no optimizer state)"]
 
+    shown = {k: v for k, v in sizes.items() if k not in ("ep", "efsdp") and (k != "cp" or v > 1)}
     layout = " x ".join(f"{k} {v}" + (f" (= efsdp {sizes['efsdp']} x ep {sizes['ep']})" if k == "dp_shard" and
-                                       "ep" in sizes else "") for k, v in sizes.items() if k not in ("ep", "efsdp"))
-    lines += [f"Mesh: {layout} (rank = row-major over pp, dp_replicate, dp_shard, tp; tp innermost)"]
+                                       "ep" in sizes else "") for k, v in shown.items())
+    lines += [f"Mesh: {layout} (rank = row-major over {', '.join(shown)}; tp innermost)"]
     for name, role in mesh["roles"].items():
         lines.append(f"  {name:<13}{sizes[name]:>4}  {role}: {_groups(mesh['groups'][name])}")
     if not mesh["roles"]:
@@ -58,7 +59,8 @@ def render(plan: dict) -> str:
               f"{b['data_parallel_ranks']} data-parallel rank(s)",
               f"  each rank: {b['samples_per_rank']:,} samples ({b['tokens_per_rank']:,} tokens) per step, "
               f"{b['micro_batch_size']} per forward/backward pass; tp and pp ranks of one data-parallel rank "
-              "read the same samples"]
+              "read the same samples" + (f", and its {b['cp']} cp ranks hold 1/{b['cp']} of each sequence's "
+                                         f"tokens ({b['seq_len'] // b['cp']})" if b.get("cp", 1) > 1 else "")]
     if "pp_microbatches" in b:
         lines.append(f"  the pipeline cuts each micro-batch into {b['pp_microbatches']} chunks of "
                      f"{b['pp_microbatch_samples']} sample(s)")

@@ -78,7 +78,7 @@ def build_trainer(settled: Settled, paths: RunPaths, data: Prepared, rt: Runtime
     cfg = settled.cfg
     tracker = PhaseTracker()  # what this rank is doing now; other threads read it
     # Under FSDP its mixed-precision policy casts; elsewhere autocast (parallel/apply.py).
-    precision = Precision(cfg.precision, rt.device, fsdp=rt.dims.dp > 1 and cfg.parallel.data_parallel == "fsdp")
+    precision = Precision(cfg.precision, rt.device, fsdp=rt.dims.dp_cp > 1 and cfg.parallel.data_parallel == "fsdp")
     engine, notes, trainable = model_and_engine(cfg, rt, precision, tracker)
     model = engine.model
 
@@ -257,7 +257,7 @@ def build_engine(model: nn.Module, cfg: Config, rt: Runtime, precision: Precisio
                  tracker: PhaseTracker) -> LocalEngine | PipelineEngine:
     """This rank's part of `model` and the engine that runs it."""
     opts = ApplyOptions(cfg.train.activation_checkpoint, cfg.train.compile, cfg.parallel.data_parallel,
-                        precision.fsdp_policy(), loss=cfg.train.loss)
+                        precision.fsdp_policy(), loss=cfg.train.loss, cp_load_balance=cfg.parallel.cp_load_balance)
     if rt.dims.pp > 1:
         from trainbook.parallel.pipeline import build_pipeline
 
@@ -298,8 +298,9 @@ def build_train_loader(cfg: Config, data: Prepared, rt: Runtime, on_reepoch) -> 
 
 def pad_multiple(dims: ParallelDims) -> int:
     """Pad packing cuts a micro-batch to its trained width rounded up to this: 8, times tp
-    (sequence parallel splits the columns); 0 under a pipeline, whose stages' shapes are fixed."""
-    return 0 if dims.pp > 1 else 8 * dims.tp
+    (sequence parallel splits the columns) and 2 x cp (context parallel deals 2 x cp chunks); 0
+    under a pipeline, whose stages' shapes are fixed."""
+    return 0 if dims.pp > 1 else 8 * dims.tp * (2 * dims.cp if dims.cp > 1 else 1)
 
 
 def step_batches(loader: TrainLoader, tracker: PhaseTracker, cfg: Config,

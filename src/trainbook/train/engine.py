@@ -70,6 +70,10 @@ def clip_grad_norm(params: list[nn.Parameter], max_norm: float) -> torch.Tensor:
     return norm
 
 
+def _whole(batch: Batch) -> Batch:
+    return batch
+
+
 class LocalEngine:
     embeddings: tuple = ()
     """Embedding matrices the optimizer cannot find by module type (none here)."""
@@ -81,6 +85,9 @@ class LocalEngine:
         self.precision = precision
         self.rt = rt
         self.tracker = tracker
+        cp = getattr(model, "context_parallel", None)
+        self.shard = cp.shard if cp is not None else _whole
+        """This rank's share of a batch: under context parallelism its part of each sequence."""
 
     def in_training_forward(self) -> bool:
         """Whether a forward running now is a training step's (hooks that gather statistics ask)."""
@@ -95,7 +102,7 @@ class LocalEngine:
                          aux: Callable[[], torch.Tensor | None] | None = None) -> torch.Tensor:
         self.tracker.enter(Phase.FORWARD)
         with self.precision.autocast():
-            micro = objective.loss(self.model, batch)
+            micro = objective.loss(self.model, self.shard(batch))
         self.tracker.enter(Phase.BACKWARD)
         # Each micro-batch carries its share of the gradient (next-token: 1/accum, so the sum is
         # the full batch's mean).
@@ -111,14 +118,17 @@ class LocalEngine:
 
     def eval_loss(self, batch: Batch, objective: Objective) -> torch.Tensor:
         with self.precision.autocast():
-            return objective.eval_loss(self.model, batch)
+            return objective.eval_loss(self.model, self.shard(batch))
 
     def report_loss(self, mean: torch.Tensor) -> torch.Tensor:
-        dims = self.rt.dims  # tp ranks hold copies of one replica's loss
-        return self.rt.all_reduce_mean(mean, over=dims.dp * dims.tp)
+        # tp ranks hold copies of one replica's loss; cp ranks each their share's (equal in size)
+        dims = self.rt.dims
+        return self.rt.all_reduce_mean(mean, over=dims.dp * dims.tp * dims.cp)
 
     def report_eval(self, total: torch.Tensor) -> torch.Tensor:
-        return total  # every rank evaluated the same batches
+        # Every rank evaluated the same batches: the same total, or under cp its share's.
+        dims = self.rt.dims
+        return self.rt.all_reduce_mean(total, over=self.rt.world_size) if dims.cp > 1 else total
 
 
 class PipelineEngine:

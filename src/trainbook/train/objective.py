@@ -139,9 +139,10 @@ class MaskedTokenLoss:
         while True:
             step = [next(batches) for _ in range(self.micro_batches)]
             local = torch.tensor(float(sum(trained_tokens(b) for b in step)), device=rt.device)
-            # Tensor-parallel ranks read the same batches: their copies count once.
-            self.count = round(rt.all_reduce_mean(local, over=rt.dims.tp).item())
-            self.divisor = max(self.count, 1) / rt.dims.dp
+            # Tensor- and context-parallel ranks read the same batches: their copies count once.
+            self.count = round(rt.all_reduce_mean(local, over=rt.dims.tp * rt.dims.cp).item())
+            # The gradient is averaged over dp x cp ranks (cp ranks each hold a share of the tokens).
+            self.divisor = max(self.count, 1) / (rt.dims.dp * rt.dims.cp)
             yield from step
 
     def loss(self, model: nn.Module, batch: Batch) -> MicroLoss:
