@@ -6,6 +6,8 @@ plan.py builds on this module."""
 
 from __future__ import annotations
 
+import dataclasses
+
 from dataclasses import dataclass, field
 from itertools import accumulate
 
@@ -345,7 +347,32 @@ def memory(ranks: dict[int, dict], dims: ParallelDims, cfg: PlanInputs, pipeline
     if limit is not None:
         out["fits"] = worst["total"] <= limit
         out["verdict"] = _verdict(worst, limit, mode)
+        if not out["fits"] and (hint := _context_parallel_hint(worst, dims, cfg, pipeline, limit)):
+            out["verdict"] += "; " + hint
     return out
+
+
+def _context_parallel_hint(worst: dict, dims: ParallelDims, cfg: PlanInputs, pipeline: dict | None,
+                           limit: int) -> str | None:
+    """The smallest context-parallel degree that fits on the same ranks, dp_shard traded for cp:
+    FSDP then shards over the same dp_shard x cp ranks (parameters, gradients and optimizer states
+    stay as they are) and each rank keeps the activations of seq_len / cp tokens (with every key
+    and value gathered). None when none does, or the layout cannot take it (parallel/dims.py)."""
+    mode, t = cfg.train.activation_checkpoint, cfg.train
+    now = worst["activations"][mode]["peak"]
+    chunks = 2 if cfg.parallel.cp_load_balance == "head_tail" else 1
+    if dims.pp > 1 or dims.ep > 1 or cfg.model.n_experts is not None or cfg.parallel.data_parallel == "ddp":
+        return None
+    k = 2
+    while dims.dp_shard % k == 0 and t.seq_len % (chunks * dims.cp * k * dims.tp) == 0:
+        trial = dataclasses.replace(dims, dp_shard=dims.dp_shard // k, cp=dims.cp * k)
+        need = worst["total"] - now + activations(cfg, trial, pipeline, 0)[mode]["peak"]
+        if need <= limit:
+            return (f"on the same ranks parallel.cp = {trial.cp} (dp_shard = {trial.dp_shard}) would fit "
+                    f"(~{human(need)}: each rank keeps {t.seq_len // trial.cp:,} of each sequence's "
+                    f"{t.seq_len:,} tokens)")
+        k *= 2
+    return None
 
 
 def _verdict(worst: dict, limit: int, mode: str) -> str:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import re
+import shlex
 import sys
 from pathlib import Path
 
@@ -15,6 +16,8 @@ import pytest
 import torch.distributed as dist
 from torch import nn
 
+from tests import readme
+from tests.conftest import REPO
 from trainbook.config.model import ModelConfig
 from trainbook.errors import TrainbookError
 from trainbook.model import build_model, names, num_params, resolve
@@ -301,3 +304,12 @@ def test_qwen_plans_on_8_ranks_count_the_published_parameters(name):
     whole = sum(numel(p["shape"]) for p in params if p["placements"].get("tp") == "Replicate")
     held = plan["memory"]["per_rank"][0]["params"]
     assert abs(held - 4 * ((published - whole) / 8 + whole)) < 1 << 20, held
+
+
+def test_the_readme_shows_the_context_parallel_degree_plan_names():
+    """The README's 32K Llama 3 8B transcript: the verdict line is what `plan` prints now."""
+    [(command, shown)] = readme.transcript(readme.block_after("it names the context-parallel degree that would on the same ranks"))
+    args = shlex.split(command)
+    assert args[:2] == ["trainbook", "plan"] and args[-2:] == ["--device-memory", "80GiB"] and shown[0] == "..."
+    printed = plan_command(REPO / args[2], args[3:-2], None, "80GiB", False).splitlines()
+    assert shown[-1] in printed, "\n".join(line for line in printed if "FIT" in line)
