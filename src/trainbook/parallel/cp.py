@@ -28,8 +28,6 @@ from __future__ import annotations
 import torch
 from torch.distributed._functional_collectives import all_gather_single, all_gather_single_autograd
 
-from trainbook.data.samples import Batch
-
 
 def local_index(seq_len: int, cp: int, rank: int, balance: str, device=None) -> torch.Tensor:
     """The global positions (T / cp,) that cp rank `rank` holds of a sequence of `seq_len`."""
@@ -62,8 +60,9 @@ class ContextParallel:
         """The global position of each gathered key (T,): every rank's share, in rank order."""
         return torch.cat([local_index(seq_len, self.cp, r, self.balance, device) for r in range(self.cp)])
 
-    def shard(self, batch: Batch) -> Batch:
-        """This rank's share of every sequence of `batch` (B, T) -> (B, T / cp): tokens, targets,
+    def shard(self, batch):
+        """This rank's share of every sequence of `batch` (a data.samples.Batch, or a producer's
+        batch type with the same fields) (B, T) -> (B, T / cp): tokens, targets,
         loss mask, and positions (a batch without them gets its global positions 0..T-1, which the
         model needs once a sequence is split)."""
         seq_len = batch.inputs.shape[1]
