@@ -84,7 +84,7 @@ def test_fp32_ops_compute_in_fp32_under_fsdp2(ranks, dtype):
     low = COMPUTE_DTYPES[dtype]
     for rank in ranks:
         for trace, mask in zip(rank["fp32_ops"][dtype], (None, torch.bool)):
-            assert trace["block_inputs"] == [[low, torch.float32, torch.float32, mask]] * N_LAYERS
+            assert trace["block_inputs"] == [[low, torch.float32, torch.float32, mask, None]] * N_LAYERS
             ops = [tuple(o) for o in trace["ops"]]
             assert any(o[1] == "mm" and set(o[2]) == {low} for o in ops)  # the matmuls are low precision
             for name, check in CHECKS.items():

@@ -20,7 +20,11 @@ def test_the_accelerator_suite_dry_run_writes_its_figures_and_table(tmp_path):
     assert {p.name for p in out.glob("bench-*.json")} == {f"bench-{s}-false.json" for s in shapes}
     for shape in shapes:
         b = json.loads((out / f"bench-{shape}-false.json").read_text())
-        assert b["tokens_per_s"] > 0 and 0 < b["mfu"] < 1 and b["plan_bytes"] > 0
+        # MFU above 0, not necessarily below 1: on CPU the peak is a 0.5 s matmul probe at start-up
+        # (monitor/flops.py), which on a machine the suite's other workers load can measure the load
+        # while the step then runs on a quieter machine (1.45 seen in CI). The formula itself:
+        # tests/unit/monitor/test_flops.py.
+        assert b["tokens_per_s"] > 0 and b["mfu"] > 0 and b["peak_flops"] > 0 and b["plan_bytes"] > 0
     table = (out / "table.txt").read_text().splitlines()
     assert table[0].startswith("shape") and len(table) == 4
     assert {row.split()[0] for row in table[1:]} == shapes
