@@ -117,8 +117,17 @@ def _max_restarts(args: list[str]) -> int:
 def main(argv: list[str]) -> None:
     paths, args = RunPaths.of(argv[0]), argv[1:]
     logging.getLogger(FAILURE_LOGGER).addHandler(FailureRecorder(paths, _max_restarts(args)))
+    from torch.distributed.elastic.rendezvous import api as rendezvous_api
     from torch.distributed.run import main as torchrun
 
+    from trainbook.parallel.runtime import free_port
+
+    # Each start of the group gets a store of its own (commands/launch.py), on a port the agent
+    # picks for its rank 0. torch picks it by binding port 0, an ephemeral port, which any
+    # outgoing connection on the machine (another job's gloo) may take before rank 0 binds it:
+    # that start then fails with EADDRINUSE and costs a restart (seen in CI). Outside the
+    # ephemeral range only another explicit bind can take it.
+    rendezvous_api.get_free_port = free_port
     torchrun(args)
 
 
