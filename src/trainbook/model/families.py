@@ -237,7 +237,7 @@ _QWEN3_MOE_ROUTER = {"router_score": "softmax", "n_shared_experts": 0, "router_b
 def _qwen3_moe_fields(fam: Family, cfg) -> dict:
     other = {k: getattr(cfg, k) for k, v in _QWEN3_MOE_ROUTER.items() if getattr(cfg, k) != v}
     if other:
-        said = ", ".join(f"{k}={v!r}" if isinstance(v, str) else f"{k}={str(v).lower()}" for k, v in other.items())
+        said = _said(other)
         raise TrainbookError(f"{fam.architecture} routes by a softmax over every expert, with no shared experts, "
                              f"groups, scale or selection bias; this model has {said}"
                              + (" (moe.balance = bias trains one)" if "router_bias" in other else ""),
@@ -269,7 +269,7 @@ def _deepseek_v3_fields(fam: Family, cfg) -> dict:
     if tuple(cfg.dense_layers) != tuple(range(first_k)):
         other["dense_layers"] = list(cfg.dense_layers)
     if other:
-        said = ", ".join(f"{k}={v!r}" if isinstance(v, (str, list)) else f"{k}={str(v).lower()}" for k, v in other.items())
+        said = _said(other)
         raise TrainbookError(f"{fam.architecture} routes by sigmoid scores with a selection bias, through at least one "
                              f"shared expert, its dense layers the first ones; this model has {said}",
                              where=f"model.{next(iter(other))}")
@@ -337,6 +337,11 @@ def _qwen3_moe_of_hf_config(config: dict, n_layers, where: str) -> dict:
         "dense_layers": tuple(i for i in layers if i in only or (i + 1) % step),
         **_QWEN3_MOE_ROUTER,
     }
+
+
+def _said(values: dict) -> str:
+    """`key=value, ...` as a recipe writes them: strings and lists quoted, booleans lower-case."""
+    return ", ".join(f"{k}={v!r}" if isinstance(v, (str, list)) else f"{k}={str(v).lower()}" for k, v in values.items())
 
 
 def _or_default(config: dict, key: str, default):

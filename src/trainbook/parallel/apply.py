@@ -103,17 +103,8 @@ def dp_mesh(mesh, dims: ParallelDims):
     shard = "dp_shard"
     if dims.cp > 1:
         shard = "dp_shard_cp"
-        if shard not in (mesh.mesh_dim_names or ()) and shard not in _flattened(mesh):
-            mesh["dp_shard", "cp"]._flatten(shard)
+        mesh["dp_shard", "cp"]._flatten(shard)  # again for the same mesh: the same dimension
     return mesh["dp_replicate", shard] if dims.dp_replicate > 1 else mesh[shard]
-
-
-def _flattened(mesh) -> set[str]:
-    # The names of the dimensions flattened from `mesh` so far (a pipeline flattens once per stage).
-    try:
-        return set(mesh._get_root_mesh()._flatten_mapping) if hasattr(mesh, "_get_root_mesh") else set()
-    except AttributeError:
-        return set()
 
 
 def expert_dp_mesh(expert_mesh, dims: ParallelDims):

@@ -44,7 +44,7 @@ class ContextParallel:
     """This rank's place in its cp group, and what the model needs to run a sequence split so."""
 
     def __init__(self, mesh, balance: str):
-        self.mesh = mesh  # the 1-D cp mesh
+        """`mesh`: the 1-D cp mesh of this rank's group."""
         self.cp = mesh.size()
         self.rank = mesh.get_local_rank()
         self.balance = balance
