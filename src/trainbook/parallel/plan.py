@@ -28,7 +28,7 @@ from trainbook.model.count import count
 from trainbook.model.lora import apply_lora
 from trainbook.parallel.dims import MESH_DIMS, ParallelDims, pipeline_microbatches
 from trainbook.parallel.plan_comm import gradient_path
-from trainbook.parallel.plan_memory import PlanInputs, memory, numel, rank_of
+from trainbook.parallel.plan_memory import PlanInputs, context_table, memory, numel, rank_of
 
 ADAM_STEP_BYTES = 4  # AdamW's per-parameter `step`: a float32 scalar tensor
 MAX_SIMULATED = 16  # distinct rank coordinates simulated one by one; beyond, a sample (see _coords)
@@ -191,6 +191,8 @@ def make_plan(cfg: PlanInputs, dims: ParallelDims, device_memory: int | None = N
         "gradient_path": gradient_path(dims, cfg),
     }
     plan["memory"] = memory(ranks, dims, cfg, plan["pipeline"], device_memory)
+    worst = plan["memory"]["largest"]["rank"]
+    plan["memory"]["context"] = context_table(cfg, dims, plan["pipeline"], dims.coordinate(worst)["pp"])
     return plan
 
 

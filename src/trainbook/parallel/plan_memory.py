@@ -19,7 +19,8 @@ from trainbook.parallel.dims import MESH_DIMS, ParallelDims
 from trainbook.sizes import human
 
 __all__ = [
-    "PlanInputs", "activation_terms", "activations", "block_numel", "compute_bytes", "human", "kv_cache_bytes",
+    "PlanInputs", "activation_terms", "activations", "block_numel", "compute_bytes", "context_table", "human",
+    "kv_cache_bytes",
     "routed_numel",
     "memory", "numel", "rank_of", "reference_bytes", "residual_bytes", "schedule_actions", "weight_casts",
 ]
@@ -352,6 +353,35 @@ def memory(ranks: dict[int, dict], dims: ParallelDims, cfg: PlanInputs, pipeline
     return out
 
 
+LONG_CONTEXT = 8192
+"""From this sequence length on (or with cp > 1) `plan` shows the activations against sequence
+length and cp (`context_table`)."""
+
+
+def context_table(cfg: PlanInputs, dims: ParallelDims, pipeline: dict | None, pp_rank: int) -> dict | None:
+    """The activations' peak per rank (at the recipe's activation checkpointing, on pipeline rank
+    `pp_rank`) for sequence lengths from a quarter of the recipe's to four times it, at cp 1, 2, 4, 8
+    and 16 (and the recipe's): each rank then keeps seq_len / cp tokens of every sequence and the
+    gathered keys and values of the whole; a cell is None where the sequence does not split into the
+    chunks that degree needs (2 x cp x tp with head-tail balancing). None below `LONG_CONTEXT` at cp 1."""
+    if dims.cp == 1 and cfg.train.seq_len < LONG_CONTEXT:
+        return None
+    mode, chunks = cfg.train.activation_checkpoint, 2 if cfg.parallel.cp_load_balance == "head_tail" else 1
+    seq_lens = [cfg.train.seq_len * f // 4 for f in (1, 2, 4, 8, 16) if cfg.train.seq_len * f % 4 == 0]
+    cps = sorted({1, 2, 4, 8, 16, dims.cp})
+    rows = []
+    for seq_len in seq_lens:
+        trial_cfg = dataclasses.replace(cfg, train=cfg.train.model_copy(update={"seq_len": seq_len}))
+        cells = []
+        for cp in cps:
+            fits = cp == 1 or seq_len % (chunks * cp * dims.tp) == 0
+            trial = dataclasses.replace(dims, cp=cp)
+            cells.append(activations(trial_cfg, trial, pipeline, pp_rank)[mode]["peak"] if fits else None)
+        rows.append({"seq_len": seq_len, "peak": cells})
+    return {"activation_checkpoint": mode, "cp": cps, "rows": rows, "seq_len": cfg.train.seq_len,
+            "recipe_cp": dims.cp, "microbatch_samples": cfg.train.micro_batch_size}
+
+
 def _context_parallel_hint(worst: dict, dims: ParallelDims, cfg: PlanInputs, pipeline: dict | None,
                            limit: int) -> str | None:
     """The smallest context-parallel degree that fits on the same ranks, dp_shard traded for cp:
@@ -361,12 +391,14 @@ def _context_parallel_hint(worst: dict, dims: ParallelDims, cfg: PlanInputs, pip
     mode, t = cfg.train.activation_checkpoint, cfg.train
     now = worst["activations"][mode]["peak"]
     chunks = 2 if cfg.parallel.cp_load_balance == "head_tail" else 1
-    if dims.pp > 1 or dims.ep > 1 or cfg.model.n_experts is not None or cfg.parallel.data_parallel == "ddp":
+    if (dims.pp > 1 and dims.tp > 1) or dims.ep > 1 or cfg.model.n_experts is not None \
+            or cfg.parallel.data_parallel == "ddp":
         return None
+    pp_rank = dims.coordinate(worst["rank"])["pp"]
     k = 2
     while dims.dp_shard % k == 0 and t.seq_len % (chunks * dims.cp * k * dims.tp) == 0:
         trial = dataclasses.replace(dims, dp_shard=dims.dp_shard // k, cp=dims.cp * k)
-        need = worst["total"] - now + activations(cfg, trial, pipeline, 0)[mode]["peak"]
+        need = worst["total"] - now + activations(cfg, trial, pipeline, pp_rank)[mode]["peak"]
         if need <= limit:
             return (f"on the same ranks parallel.cp = {trial.cp} (dp_shard = {trial.dp_shard}) would fit "
                     f"(~{human(need)}: each rank keeps {t.seq_len // trial.cp:,} of each sequence's "

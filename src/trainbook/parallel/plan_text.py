@@ -137,7 +137,27 @@ def _memory_lines(mem: dict) -> list[str]:
     if mem["ranks_covered"] < mem["world_size"]:
         lines.append(f"  ({mem['ranks_covered']} of {mem['world_size']} ranks: the first and last dp_shard and tp "
                      "index of each pipeline rank; the first holds the largest shards)")
+    if mem.get("context"):
+        lines += ["", *_context_lines(mem["context"])]
     if mem["device_memory"] is not None:
         lines += ["", mem["verdict"]]
+    return lines
+
+
+def _context_lines(table: dict) -> list[str]:
+    """Activations per rank against sequence length (rows) and cp (columns); the recipe's cell
+    in brackets."""
+    lines = [f"Activations per rank against sequence length and cp (peak at activation_checkpoint = "
+             f"{table['activation_checkpoint']}, {table['microbatch_samples']} sequence(s) a micro-batch; "
+             "each rank keeps seq_len / cp tokens and the gathered keys and values)",
+             f"  {'seq_len':>9}" + "".join(f"{'cp ' + str(cp):>12}" for cp in table["cp"])]
+    for row in table["rows"]:
+        cells = []
+        for cp, peak in zip(table["cp"], row["peak"]):
+            text = "-" if peak is None else human(peak)
+            if row["seq_len"] == table["seq_len"] and cp == table["recipe_cp"]:
+                text = f"[{text}]"
+            cells.append(f"{text:>12}")
+        lines.append(f"  {row['seq_len']:>9,}" + "".join(cells))
     return lines
 

@@ -23,7 +23,7 @@ from trainbook.errors import TrainbookError
 from trainbook.model import build_model, names, num_params, resolve
 from trainbook.model.llama import RMSNorm
 from trainbook.parallel.apply import tp_plan
-from trainbook.parallel.plan_memory import numel
+from trainbook.parallel.plan_memory import human, numel
 from trainbook.parallel.pipeline import cut_stage, model_stage_layers
 from trainbook.parallel.plan_text import render
 from trainbook.commands.plan import plan_command
@@ -307,9 +307,31 @@ def test_qwen_plans_on_8_ranks_count_the_published_parameters(name):
 
 
 def test_the_readme_shows_the_context_parallel_degree_plan_names():
-    """The README's 32K Llama 3 8B transcript: the verdict line is what `plan` prints now."""
-    [(command, shown)] = readme.transcript(readme.block_after("it names the context-parallel degree that would on the same ranks"))
+    """The README's 32K Llama 3 8B transcript: the table of activations against sequence length and
+    cp, and the verdict line, are what `plan` prints now, as they end its memory section."""
+    [(command, shown)] = readme.transcript(readme.block_after("it names the context-parallel degree that would on the"))
     args = shlex.split(command)
     assert args[:2] == ["trainbook", "plan"] and args[-2:] == ["--device-memory", "80GiB"] and shown[0] == "..."
     printed = plan_command(REPO / args[2], args[3:-2], None, "80GiB", False).splitlines()
-    assert shown[-1] in printed, "\n".join(line for line in printed if "FIT" in line)
+    start = printed.index(shown[1])
+    assert printed[start:start + len(shown) - 1] == shown[1:], "\n".join(printed[start:start + len(shown)])
+
+
+def test_long_context_plans_table_activations_against_sequence_length_and_cp():
+    """The table's recipe cell is the activations the memory rows count for the recipe's rank;
+    every other cell is the same arithmetic at another length and degree: at a fixed length a
+    rank's activations fall as cp grows (it keeps seq_len / cp tokens, but every key and value),
+    at a fixed cp they grow with the length. A short sequence at cp = 1 has no table."""
+    args = ["model.name=llama3-8b", "model.vocab_size=128256", "train.seq_len=32768", "model.max_seq_len=32768",
+            "train.micro_batch_size=1", "train.global_batch_tokens=262144", "parallel.cp=4", "parallel.dp_shard=2"]
+    plan = plan_json(8, args, "80GiB")
+    table, mode = plan["memory"]["context"], plan["memory"]["activation_checkpoint"]
+    assert table["cp"] == [1, 2, 4, 8, 16] and [r["seq_len"] for r in table["rows"]] == [8192, 16384, 32768, 65536, 131072]
+    recipe = next(r for r in table["rows"] if r["seq_len"] == 32768)["peak"][table["cp"].index(4)]
+    assert recipe == plan["memory"]["per_rank"][0]["activations"][mode]["peak"]
+    for row in table["rows"]:
+        assert row["peak"] == sorted(row["peak"], reverse=True) and len(set(row["peak"])) == 5, row
+    for column in zip(*(r["peak"] for r in table["rows"])):
+        assert list(column) == sorted(column) and len(set(column)) == 5, column
+    assert "[" + human(recipe) + "]" in render(plan)
+    assert plan_json(1, TINY)["memory"]["context"] is None
