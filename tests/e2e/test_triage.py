@@ -211,12 +211,35 @@ def test_two_ranks_agree_on_a_nan_one_of_them_sees(recipe, tmp_path):
     rows = [json.loads((run_dir / "incidents" / "step-4" / f"batch-dp{r}.json").read_text())["rows"] for r in (0, 1)]
     assert len(rows[0]) == len(rows[1]) == 4 and {r["sample"] for r in rows[0]}.isdisjoint({r["sample"] for r in rows[1]})
 
-    # Policy stop on 2 ranks: one verdict line, both ranks end with exit code 5.
-    stopped = _run(recipe, tmp_path / "fsdp-stop", "train.max_steps=5", fault="model.block_nan@4", nproc=2,
-                   TRAINBOOK_FAULT_RANK="1")
+
+def test_two_context_parallel_ranks_locate_a_nan_and_count_each_gradient_once(recipe, tmp_path):
+    # cp = 2: each rank holds half of every sequence and its attentions gather the other's keys
+    # and values. Rank 1's block 1 puts NaN out in step 4, policy stop: that block is named, one
+    # verdict line, both ranks end with exit code 5, and the one data-parallel rank's batch is
+    # written once.
+    stop_dir = tmp_path / "cp-stop"
+    stopped = _run(recipe, stop_dir, "train.max_steps=5", "parallel.cp=2", "parallel.dp_shard=1",
+                   fault="model.block_nan@4", nproc=2, TRAINBOOK_FAULT_RANK="1")
     assert stopped.returncode == 5, stopped.stderr
-    assert len([line for line in stopped.stderr.splitlines() if line.startswith("trainbook: error: step 4:")]) == 1
+    verdicts = [line for line in stopped.stderr.splitlines() if line.startswith("trainbook: error: step 4:")]
+    assert len(verdicts) == 1 and "first non-finite output: layers.1 (micro-batch 1 of 2, rank 1)" in verdicts[0], \
+        stopped.stderr
     assert worker_exits(stopped.stderr) == {0: 5, 1: 5}, stopped.stderr
+    assert sorted(p.name for p in (stop_dir / "incidents" / "step-4").glob("batch-*.json")) == ["batch-dp0.json"]
+
+    # The NaN in step 4's first forward only: the clean re-run's update is applied. Its per-block
+    # gradient norms are the global ones, each counted once (the two cp ranks hold the same sums:
+    # one speaks), so together they are the step's gradient norm.
+    run_dir = tmp_path / "cp-transient"
+    done = _run(recipe, run_dir, "train.max_steps=5", "parallel.cp=2", "parallel.dp_shard=1",
+                fault="model.block_nan_once@4", nproc=2, TRAINBOOK_FAULT_RANK="1")
+    assert done.returncode == 0, done.stderr
+    assert "transient: the re-run was clean" in done.stdout, done.stdout
+    incident = json.loads((run_dir / "incidents" / "step-4" / "incident.json").read_text())
+    blocks = incident["block_grad_norms"]
+    assert {"layers.0", "layers.1"} <= blocks.keys(), blocks
+    total = sum(v * v for v in blocks.values()) ** 0.5
+    assert total == pytest.approx(incident["rerun"]["grad_norm"], rel=1e-5), (total, incident["rerun"])
 
 
 def test_an_unknown_policy_is_bad_input(recipe, tmp_path):

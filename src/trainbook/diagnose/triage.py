@@ -342,9 +342,10 @@ class Triage:
             squares = torch.stack([squared_norm(p.grad, self.rt.device) for _, p in params]).tolist() if params else []
             for (block, _), sq in zip(params, squares):
                 sums[block] = sums.get(block, 0.0) + sq
-            # One rank per pipeline stage speaks for it (the others hold the same global sums).
-            mine = {"speaks": self.rt.dp_rank == 0 and self.rt.dims.coordinate(self.rt.rank)["tp"] == 0,
-                    "sums": sums}
+            # One rank per pipeline stage speaks for it (the others, tp and cp ranks included, hold
+            # the same global sums).
+            coord = self.rt.dims.coordinate(self.rt.rank)
+            mine = {"speaks": self.rt.dp_rank == 0 and coord["tp"] == 0 and coord["cp"] == 0, "sums": sums}
             parts = [mine]
             if self.rt.distributed:
                 parts = [None] * self.rt.world_size
@@ -371,7 +372,8 @@ class Triage:
         batch-dp<R>.json (`batch_record`, written by the first rank of each replica)."""
         where = self.paths.incidents / f"step-{step}"
         where.mkdir(parents=True, exist_ok=True)
-        if self.rt.dims.coordinate(self.rt.rank)["tp"] == 0 and self.rt.pp_rank == 0:  # one rank per replica
+        coord = self.rt.dims.coordinate(self.rt.rank)
+        if coord["tp"] == 0 and coord["cp"] == 0 and self.rt.pp_rank == 0:  # one rank per replica
             atomic_write_json(where / f"batch-dp{self.rt.dp_rank}.json", batch)
         if self.rt.is_main:
             atomic_write_json(where / "incident.json", {"step": step, "kind": verdict.kind, "what": verdict.what,

@@ -103,7 +103,9 @@ def dp_mesh(mesh, dims: ParallelDims):
     shard = "dp_shard"
     if dims.cp > 1:
         shard = "dp_shard_cp"
-        mesh["dp_shard", "cp"]._flatten(shard)  # again for the same mesh: the same dimension
+        flat = mesh["dp_shard", "cp"]._flatten(shard)  # again for the same mesh: the same dimension
+        if dims.dp_replicate == 1:
+            return flat  # (torch 2.13 warns when a flattened dimension is sliced from the root)
     return mesh["dp_replicate", shard] if dims.dp_replicate > 1 else mesh[shard]
 
 

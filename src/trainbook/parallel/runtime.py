@@ -113,7 +113,7 @@ class Runtime:
             return [list(values)]
         mine = torch.tensor(values, dtype=torch.float64, device=self.device)
         out = torch.empty(self.world_size * len(values), dtype=torch.float64, device=self.device)
-        dist.all_gather_into_tensor(out, mine)
+        dist.all_gather_single(out, mine)  # all_gather_into_tensor is deprecated in 2.13
         return out.view(self.world_size, len(values)).tolist()
 
     def all_gather_objects(self, value: T) -> list[T]:
