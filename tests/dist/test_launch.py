@@ -33,8 +33,6 @@ BAD_LAYOUTS = [  # (arguments, what the one line must say); the debug model: 2 l
      "train.seq_len: seq_len = 30 does not split into 2 x cp x tp = 4 equal chunks"),
     (["parallel.cp=2", "parallel.dp_shard=1", "model.name=tiny-moe", "--nproc", "2"],
      "model.n_experts: context parallelism (parallel.cp = 2) with a mixture of experts is not built yet"),
-    (["parallel.cp=2", "parallel.pp=2", "parallel.dp_shard=1", "--nproc", "4"],
-     "parallel.cp: context parallelism with pipeline parallelism (pp = 2) is not built yet"),
     (["parallel.pp=2", "parallel.dp_shard=1", "parallel.pp_split=[1, 2]", "--nproc", "2"],
      "parallel.pp_split: [1, 2] must be 2 positive layer counts (one per stage) adding up to model.n_layers = 2"),
     (["parallel.pp=2", "parallel.dp_shard=1", "parallel.pp_microbatches=1", "--nproc", "2"],

@@ -32,15 +32,17 @@ Two layouts train a tiny Qwen3 with q/k/v biases (`qwen3-tiny`: q/k norms, head_
 summed over each rank's heads) and FSDP. A q_norm gain whose gradient is left unsummed over tp
 moves that gain by ~4e-3 relative in 20 steps and the gradient norm by ~2e-4.
 
-Two layouts split each sequence over 2 context-parallel ranks (`cp2`, and `cp2-tp2` with tensor
-parallel inside each): every attention gathers the other rank's keys and values and masks by
-global position; the one-process step-10 checkpoint also resumes at cp = 2.
+Three layouts split each sequence over 2 context-parallel ranks (`cp2`, `cp2-tp2` with tensor
+parallel inside each, `cp2-pp2` with 2 pipeline stages, each stage deriving its share's global
+positions): every attention gathers the other rank's keys and values and masks by global
+position; the one-process step-10 checkpoint also resumes at cp = 2. A stage that took its share
+as positions 0..T/cp-1 (cp2-pp2) is off by 1.4e-2 in the loss and 1.4e-1 in the weights.
 
 Tolerances. Every layout adds the same per-sample gradients in another order (all-reduce,
 reduce-scatter, sharded matmuls, pipeline chunks of 1 sample accumulated); AdamW's 1/sqrt(v)
 magnifies such rounding in near-zero gradients, most in the weights. Largest differences measured
 here over all layouts (pipelines against the ordinary single-process run): loss 1.7e-7, gradient
-norm 1.2e-6, weights 9.0e-5 (cp2-tp2; tp2, fsdp2-tp2 7.5e-5; cp2 4.7e-5; pipelines 2.5e-5;
+norm 1.2e-6, weights 9.0e-5 (cp2-tp2; tp2, fsdp2-tp2 7.5e-5; cp2 4.7e-5; cp2-pp2 4.3e-5; pipelines 2.5e-5;
 qwen3-tp2 4.8e-5, qwen3-fsdp2 5.5e-6). The bounds below keep a margin
 over those and stay far below what a wrong gradient produces (a summed instead of averaged
 gradient doubles the gradient norm; a skipped tied-gradient exchange moves the embedding by
@@ -80,6 +82,7 @@ LAYOUTS = {
     # Context parallel: each sequence split over 2 ranks (head-tail), keys and values gathered.
     "cp2": (2, ["parallel.cp=2", "parallel.dp_shard=1"]),
     "cp2-tp2": (4, ["parallel.cp=2", "parallel.tp=2", "parallel.dp_shard=1"]),
+    "cp2-pp2": (4, ["parallel.cp=2", "parallel.pp=2", "parallel.dp_shard=1"]),
 }
 
 # Largest relative difference allowed: (loss, grad_norm, weights); see the module docstring.

@@ -148,6 +148,10 @@ class Llama(nn.Module):
             cache.advance(seq_len)
             return self.output(self.norm(h[:, -1:]))  # (B, 1, vocab_size)
         cp, kv = self.context_parallel, None
+        if positions is None and cp is not None:
+            # A pipeline stage under context parallelism (its schedule hands over tokens or hidden
+            # states only): this rank's share of an unpacked sequence, at its global positions.
+            positions = cp.index(seq_len * cp.cp, h.device).expand(h.shape[0], -1)  # (B, T / cp)
         if positions is None:
             # The whole table: each attention cuts it to its own (gathered) sequence length, since
             # a later pipeline stage under sequence parallel receives a shard of the sequence here.

@@ -130,10 +130,15 @@ def resolve_dims(parallel: ParallelConfig, world_size: int, where: str) -> Paral
         raise TrainbookError(f"expert parallelism with pipeline parallelism (pp = {dims.pp}) is not built yet; "
                              "use pp = 1 with ep > 1", where=f"{where}: parallel.ep")
     if dims.cp > 1:
-        for name, degree, what in (("pp", dims.pp, "pipeline parallelism"), ("ep", dims.ep, "expert parallelism")):
-            if degree > 1:
-                raise TrainbookError(f"context parallelism with {what} ({name} = {degree}) is not built yet; "
-                                     f"use {name} = 1 with cp > 1", where=f"{where}: parallel.cp")
+        if dims.ep > 1:
+            raise TrainbookError(f"context parallelism with expert parallelism (ep = {dims.ep}) is not built yet; "
+                                 "use ep = 1 with cp > 1", where=f"{where}: parallel.cp")
+        if dims.pp > 1 and dims.tp > 1:
+            # A later stage receives a sequence-parallel shard of this rank's share (T / cp / tp)
+            # and could not tell the share's global positions from it.
+            raise TrainbookError(f"context parallelism with both pipeline (pp = {dims.pp}) and tensor parallelism "
+                                 f"(tp = {dims.tp}) is not built yet; use pp = 1 or tp = 1 with cp > 1",
+                                 where=f"{where}: parallel.cp")
         if p.data_parallel == "ddp":
             raise TrainbookError("context parallelism shards parameters over dp_shard x cp with FSDP2; "
                                  "ddp does not take it", where=f"{where}: parallel.cp")

@@ -32,6 +32,11 @@ cross stages as local sequence shards (B, T / tp, dim). The schedules run FSDP's
 per optimizer step. torch 2.13 gives a TP (Shard(0)) embedding a Replicate gradient;
 the tied-gradient exchange redistributes it to the parameter's layout first.
 
+Context parallelism (`parallel.cp`): the engine hands the pipeline each cp rank's share of the
+sequences (train/engine.py) and every stage, given no positions, takes its share's global ones from
+its ContextParallel (model/llama.py), so only the share's hidden states travel between stages; not
+with tensor parallel too (a later stage would receive a sequence-parallel piece of the share).
+
 Not supported: document packing (`positions` would have to travel with the activations).
 """
 

@@ -147,6 +147,10 @@ class PipelineEngine:
         # pipeline and single-device layouts.
         self.optim_aliases = {"output.weight": "tok_embeddings.weight"} \
             if tied is not None and not pipeline.has_first else {}
+        cp = getattr(pipeline.modules[0], "context_parallel", None)
+        self.shard = cp.shard if cp is not None else _whole
+        """This rank's share of a batch: under context parallelism its part of each sequence (each
+        stage derives the share's global positions itself: model/llama.py)."""
 
     def in_training_forward(self) -> bool:
         # Not the schedule's shape inference (uninitialised inputs), not an evaluation.
@@ -159,6 +163,7 @@ class PipelineEngine:
         # refuses fp16 with pp > 1 until the pipeline's loss_fn applies `scaler.scale`.
         # The schedule computes the next-token loss itself (`lm_loss`, given when it was built).
         self.tracker.enter(Phase.FORWARD_BACKWARD)
+        batch = self.shard(batch)
         with self.precision.autocast():
             return self.pipeline.step(batch.inputs, batch.targets, objective.micro_batches)
 
@@ -166,12 +171,14 @@ class PipelineEngine:
         return self.pipeline.clip_grad_norm_(max_norm)  # the norm spans every stage
 
     def eval_loss(self, batch: Batch, objective: NextTokenLoss) -> torch.Tensor | None:
+        batch = self.shard(batch)
         with self.precision.autocast():
             return self.pipeline.eval_loss(batch.inputs, batch.targets)
 
     def report_loss(self, mean: torch.Tensor) -> torch.Tensor:
-        # Only last-stage ranks hold a loss (the others add zeros); tp ranks hold copies.
+        # Only last-stage ranks hold a loss (the others add zeros); tp ranks hold copies, cp ranks
+        # each their share's (equal in size).
         dims = self.rt.dims
-        return self.rt.all_reduce_mean(mean, over=dims.dp * dims.tp)
+        return self.rt.all_reduce_mean(mean, over=dims.dp * dims.tp * dims.cp)
 
-    report_eval = report_loss  # the last stage's sum, the same on every replica
+    report_eval = report_loss  # the last stage's (under cp: each share's), the same on every replica
