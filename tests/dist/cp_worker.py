@@ -6,8 +6,9 @@ On DP_SHARD x 2 ranks (cp = 2, FSDP over dp_shard x cp), every rank trains two c
 model in fp64 for 3 AdamW steps on the same global batch of 4 sequences: `ref`, the whole model on
 the whole batch in this process, and `cp`, the trainer's layout (`parallelize`, the engine that
 deals each sequence's positions to the cp ranks) on its data-parallel rank's rows. Cases: the tiny
-Llama with head-tail balancing and without, with documents packed into the windows; a tiny Qwen3
-(q/k norms, a head_dim of its own); multi-head latent attention (its values narrower than its keys).
+Llama with head-tail balancing and without, with documents packed into the windows, and with full
+and selective activation checkpointing; a tiny Qwen3 (q/k norms, a head_dim of its own); multi-head
+latent attention (its values narrower than its keys).
 
 Written to OUT_DIR/rank{R}.pt, per case: per step both losses (cp's as every rank reports it) and
 gradient norms; step 1's logits of this rank's rows, cp's put back in sequence order (each rank's
@@ -39,12 +40,16 @@ from trainbook.train.optim import build_optimizer
 VOCAB, BATCH, SEQ, STEPS = 64, 4, 32, 3
 OPTIM = OptimConfig(lr=1e-3)
 MLA = dict(kv_lora_rank=16, q_lora_rank=24, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=12, n_kv_heads=4)
-CASES = {  # name -> (model, cp_load_balance, packed documents)
-    "llama-head-tail": (ModelConfig(name="debug", vocab_size=VOCAB), "head_tail", False),
-    "llama-contiguous": (ModelConfig(name="debug", vocab_size=VOCAB), "none", False),
-    "llama-documents": (ModelConfig(name="debug", vocab_size=VOCAB), "head_tail", True),
-    "qwen3": (ModelConfig(name="qwen3-tiny", vocab_size=VOCAB, n_layers=2), "head_tail", True),
-    "mla": (ModelConfig(name="debug", vocab_size=VOCAB, **MLA), "head_tail", True),
+CASES = {  # name -> (model, cp_load_balance, packed documents, activation checkpointing)
+    "llama-head-tail": (ModelConfig(name="debug", vocab_size=VOCAB), "head_tail", False, "none"),
+    "llama-contiguous": (ModelConfig(name="debug", vocab_size=VOCAB), "none", False, "none"),
+    "llama-documents": (ModelConfig(name="debug", vocab_size=VOCAB), "head_tail", True, "none"),
+    "qwen3": (ModelConfig(name="qwen3-tiny", vocab_size=VOCAB, n_layers=2), "head_tail", True, "none"),
+    "mla": (ModelConfig(name="debug", vocab_size=VOCAB, **MLA), "head_tail", True, "none"),
+    # Recomputed blocks gather the keys and values again in backward (full), or keep what the
+    # selective policy saves.
+    "llama-full-ac": (ModelConfig(name="debug", vocab_size=VOCAB), "head_tail", True, "full"),
+    "llama-selective-ac": (ModelConfig(name="debug", vocab_size=VOCAB), "head_tail", True, "selective"),
 }
 
 
@@ -84,11 +89,11 @@ def main() -> None:
     mine = slice(rt.dp_rank * per_rank, (rt.dp_rank + 1) * per_rank)
     cp_rank = dims.coordinate(rank)["cp"]
     results = {}
-    for case, (model_cfg, balance, documents) in CASES.items():
+    for case, (model_cfg, balance, documents, ac) in CASES.items():
         cfg = resolve(model_cfg)
         ref = build_model(cfg, "cpu", seed=0).double()
         cp = parallelize(build_model(cfg, "cpu", seed=0).double(), dims, rt.mesh,
-                         ApplyOptions(cp_load_balance=balance))
+                         ApplyOptions(cp_load_balance=balance, activation_checkpoint=ac))
         runs = {}
         for name, model, run_rt, rows in (("ref", ref, alone, mine), ("cp", cp, rt, mine)):
             engine = LocalEngine(model, precision, run_rt, PhaseTracker())

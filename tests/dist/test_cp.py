@@ -1,9 +1,10 @@
 """Context parallelism computes what one process computes: 4 real gloo ranks, FSDP x 2 over
 context parallel x 2 (tests/dist/cp_worker.py, one launch), against the whole model on the whole
 batch, 3 AdamW steps in fp64, for each case: the tiny Llama with head-tail balancing and with
-contiguous shares, with documents packed into the windows (a document crossing the shares), a
-tiny Qwen3 and multi-head latent attention. The CLI under cp = 2 (20 steps, its checkpoint
-resumed, layer statistics): tests/dist/test_layouts.py's `cp2`.
+contiguous shares, with documents packed into the windows (a document crossing the shares), the
+same with full and with selective activation checkpointing, a tiny Qwen3 and multi-head latent
+attention. The CLI under cp = 2 (20 steps, its checkpoint resumed, layer statistics):
+tests/dist/test_layouts.py's `cp2`, `cp2-tp2` and `cp2-pp2`.
 
 Measured here: logits bit for bit (each rank's share gathered and put back in sequence order),
 gradient norms within 3e-16, parameters within 2e-13 after 3 steps; the losses within 1.2e-7,
@@ -26,7 +27,8 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[2]
 REL = 1e-6
-CASES = ["llama-head-tail", "llama-contiguous", "llama-documents", "qwen3", "mla"]
+CASES = ["llama-head-tail", "llama-contiguous", "llama-documents", "qwen3", "mla", "llama-full-ac",
+         "llama-selective-ac"]
 
 
 @pytest.fixture(scope="module")
