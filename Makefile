@@ -44,8 +44,10 @@ run: $(STAMP)
 # thread a process (OMP_NUM_THREADS=1, which every trainbook and torchrun child inherits): beside
 # the other workers, an intra-op pool's threads spin waiting for one another on a busy core (200
 # fp32 steps of the debug model took 172 s of CPU on 2 threads there, 5.4 s on one). Tests marked
-# `solo` judge the machine's speed (a throughput alert and its cause): they run afterwards, alone,
-# with torch's default threads, where the other workers' load cannot be taken for the machine's.
+# `solo` judge the machine's speed (a throughput alert and its cause), or must train on more than
+# one thread (`verify` against the committed baseline, made on 2: 208 s beside the other workers,
+# 31 s alone): they run afterwards, alone, with torch's default threads, where the other workers'
+# load cannot be taken for the machine's.
 test: $(STAMP)
 	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -n 3 --dist loadgroup -m "not solo"
 	$(BIN)/python -m pytest -q -m solo

@@ -82,6 +82,7 @@ def verified(tmp_path_factory, shakespeare_cache):
     return cwd, done
 
 
+@pytest.mark.solo  # the baseline's 2 threads: beside the other workers they spin (124 s there, 20 s alone)
 def test_the_default_recipe_verifies_against_its_committed_baseline(verified):
     """The recipe is numerically the baseline's (its `auto` compile and loss settled as the
     baseline's runs computed: eager, full logits). Where this machine is the baseline's (same
@@ -98,6 +99,7 @@ def test_the_default_recipe_verifies_against_its_committed_baseline(verified):
         assert f"up to step {PREFIX}, all bit-for-bit equal" in done.stdout
 
 
+@pytest.mark.solo  # reads the solo run above
 def test_a_baseline_from_another_environment_is_judged_within_its_band(verified, tmp_path):
     cwd, done = verified
     run_dir = Path(re.search(r"^run: (\S+)", done.stdout, flags=re.M).group(1))
@@ -112,6 +114,7 @@ def test_a_baseline_from_another_environment_is_judged_within_its_band(verified,
     assert "judged within the band of 5 seeds (mean +- 3 sd)" in judged.stdout and "PASS" in judged.stdout
 
 
+@pytest.mark.solo  # the baseline's 2 threads, as above (84 s beside the other workers, 11 s alone)
 def test_a_perturbed_learning_rate_fails_at_the_first_point_out_of_band(shakespeare_cache, tmp_path):
     done = run_cli("verify", "--baseline", str(BASELINE), "--steps", "20", "optim.lr=2e-2", "train.compile=false",
                    f"data.cache_dir={shakespeare_cache}", cwd=tmp_path, env=BASELINE_THREADS)
