@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import json
 import os
 import socket
@@ -99,11 +100,30 @@ def test_two_torchrun_agents_as_two_nodes_train_together(recipe, tmp_path):
 def test_a_stuck_rank_times_out_with_the_collective_named(recipe, tmp_path):
     # The hang watchdog off: what the collective timeout alone tells (tests/e2e/test_hang.py has the watchdog's).
     env = {"TRAINBOOK_FAULT": "train.after_step@2", "TRAINBOOK_FAULT_RANK": "1", "TRAINBOOK_FAULT_ACTION": "hang"}
+    # The stuck rank never answers the agent's SIGTERM: it is killed `parallel.stop_grace_s` later.
     done = run_cli("run", str(recipe), "train.max_steps=6", "parallel.timeout_s=5", "parallel.hang_timeout_s=0",
-                   "parallel.data_parallel=ddp",
+                   "parallel.data_parallel=ddp", f"parallel.stop_grace_s={GRACE_S}",
                    "parallel.dp_replicate=2", "parallel.dp_shard=1", "--nproc", "2", "--run-dir",
                    str(tmp_path / "run"), cwd=recipe.parent, env=env, timeout=300)
     assert done.returncode != 0
     errors = [line for line in done.stderr.splitlines() if line.startswith("trainbook: error:")]
     assert len(errors) == 1, done.stderr[-3000:]
     assert "parallel.timeout_s: rank 0: a collective timed out after 5 s in step 3" in errors[0]
+    # The agent's own log: when it sent SIGTERM to the stuck rank, and when it gave up and sent
+    # SIGKILL. torch waits 30 s between them unless told otherwise (the agent waits out the grace
+    # whatever the machine's speed; only a stall of the whole machine could stretch it to 30 s).
+    sent = {signal: _agent_time(done.stderr, pattern) for signal, pattern in
+            (("SIGTERM", r"Sending process \d+ closing signal SIGTERM"),
+             ("SIGKILL", r"Unable to shutdown process \d+ via (?:15|\S*SIGTERM), forcefully exiting via (?:9|\S*SIGKILL)"))}
+    assert GRACE_S <= sent["SIGKILL"] - sent["SIGTERM"] < 30, (sent, done.stderr[-3000:])
+
+
+GRACE_S = 2
+
+
+def _agent_time(log: str, pattern: str) -> float:
+    """The time of day (s) of the agent's log line matching `pattern` (glog: `W1207 06:53:25.182000 ...`)."""
+    found = re.search(r"^[IWE]\d{4} (\d\d):(\d\d):(\d\d\.\d+) \d+ .*" + pattern, log, flags=re.M)
+    assert found, f"no agent log line matching {pattern!r}:\n{log[-3000:]}"
+    hours, minutes, seconds = found.groups()
+    return 3600 * int(hours) + 60 * int(minutes) + float(seconds)

@@ -128,7 +128,26 @@ def main(argv: list[str]) -> None:
     # that start then fails with EADDRINUSE and costs a restart (seen in CI). Outside the
     # ephemeral range only another explicit bind can take it.
     rendezvous_api.get_free_port = free_port
+    _stop_with_grace(float(os.environ.get(STOP_GRACE_ENV, "30")))
     torchrun(args)
+
+
+STOP_GRACE_ENV = "TRAINBOOK_STOP_GRACE_S"
+"""`parallel.stop_grace_s`, from the launcher (commands/launch.py) to the agent here."""
+
+
+def _stop_with_grace(grace_s: float) -> None:
+    """The agent stops its workers (a failure, a restart, a signal) with SIGTERM, then SIGKILL
+    after a timeout: 30 s wherever torch 2.13 closes its workers' processes (`PContext.close`,
+    whose callers mostly leave the default), with no option of torchrun's to change it."""
+    from torch.distributed.elastic.multiprocessing.api import PContext
+
+    close = PContext.close
+
+    def close_with_grace(self, death_sig: signal.Signals | None = None, timeout: float = grace_s) -> None:
+        close(self, death_sig, grace_s)
+
+    PContext.close = close_with_grace
 
 
 if __name__ == "__main__":

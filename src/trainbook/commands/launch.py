@@ -29,7 +29,7 @@ from trainbook.config import load_config
 from trainbook.errors import DIAGNOSED, DiagnosedFailure, HangFailure, RepeatedFailure, TrainbookError
 from trainbook.monitor.archive import last_attempt, read_jsonl
 from trainbook.parallel.device import pick_device
-from trainbook.commands.elastic import MONITOR_INTERVAL_S
+from trainbook.commands.elastic import MONITOR_INTERVAL_S, STOP_GRACE_ENV
 from trainbook.parallel.runtime import AGENT_STORE_ENV, free_port
 from trainbook.runs import RunPaths, new_run_dir_path
 
@@ -125,6 +125,7 @@ def launch(recipe: Path, overrides: list[str], nproc: int, run_dir: Path | None,
     # store keeps the keys of the group before a restart, and gloo would connect to dead ranks.
     os.environ["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
     os.environ[AGENT_STORE_ENV] = endpoint  # the watchdog's store, which outlives every worker
+    os.environ[STOP_GRACE_ENV] = str(res.cfg.parallel.stop_grace_s)
     began = time.time()
     proc = subprocess.Popen(cmd)
     # Pre-emption reaches this process first: hand it on (the agent forwards it to the workers).

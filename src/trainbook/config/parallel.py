@@ -58,6 +58,12 @@ class ParallelConfig(Section):
     `timeout_s`; 0 turns the watchdog off. Must be below `timeout_s`, so the stacks are taken
     before a collective timeout kills anything."""
 
+    stop_grace_s: float = Field(default=30.0, gt=0)
+    """When the launcher stops the workers (pre-emption or Ctrl-C reaching it, or one worker's
+    failure ending or restarting the group), how long each gets after SIGTERM to finish its step,
+    save and exit before SIGKILL (torchrun's agent gives 30 s). A hung or SIGSTOPped worker never
+    answers SIGTERM: the group's end or restart waits this long for it."""
+
     @field_validator("hang_timeout_s")
     @classmethod
     def _hang_below_timeout(cls, v: float | None, info: ValidationInfo) -> float | None:
