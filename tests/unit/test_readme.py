@@ -204,7 +204,7 @@ BLOCKS = {
     '"measured": {"parameters"': ("compared", "tests/e2e/test_oom.py", "The breakdown, measured against plan"),
     "alert dead_expert at step": ("compared", "tests/e2e/test_moe.py", "routers were made to collapse from step 5"),
     "$ trainbook plan recipes/llama3-8b.toml train.seq_len=32768": (
-        "compared", "tests/unit/parallel/test_plan.py", "it names the context-parallel degree that would on the same ranks"),
+        "compared", "tests/unit/parallel/test_plan.py", "it names the context-parallel degree that would on the"),
     "peak memory grew": ("compared", "tests/e2e/test_oom.py", "16 MiB kept per step by a block's forward"),
     "trainbook run ──► commands/resolve.py": ("input", "the architecture's picture"),
     "make test ": ("input", "development commands"),
