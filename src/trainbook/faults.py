@@ -55,6 +55,15 @@ Two kinds of point:
   `comm.slow_sync`      the step's loss report (its last exposed collective) joins late on this
                         rank, by TRAINBOOK_FAULT_SLOWDOWN - 1 (default 9) times the recent clean
                         steps: a slow link, which every rank waits for in `grad_sync`;
+  `comm.no_error_feedback` PowerSGD (parallel.grad_compression) forgets what compression lost
+                        instead of adding it to the next gradient (arm it bare: the run's hook is
+                        built once; parallel/compression.py): a broken remedy;
+  `comm.skip_reduce`    DDP's hook hands every gradient bucket back unreduced: each rank steps on
+                        its own gradient (arm it bare): a broken remedy;
+  `comm.slow_link`      DDP's gradient all-reduces complete late by their bytes over a link of
+                        TRAINBOOK_FAULT_LINK_MBPS (default 20) MB/s, on the backend's thread (the
+                        ranks compute on while it transfers, as beside a slow network; arm it bare):
+                        communication-bound, and fewer bytes make it faster;
   `host.contend`        from its first step, `TRAINBOOK_FAULT_HOGS` (default 3 per usable CPU)
                         processes spin on the CPUs until the training process ends (contention).
   `check.slow_matmul`   `trainbook check`'s matmul probe on this rank (arm it bare or `@0`; pick

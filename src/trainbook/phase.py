@@ -71,9 +71,11 @@ class PhaseTracker:
         with self._lock:
             self._durations = {}
 
-    def enter(self, phase: Phase, step: int | None = None, detail: str = "") -> None:
-        """Leave the current phase (its time is added to its total) and enter `phase`."""
-        if self.boundary is not None:
+    def enter(self, phase: Phase, step: int | None = None, detail: str = "", boundary: bool = True) -> None:
+        """Leave the current phase (its time is added to its total) and enter `phase`. `boundary`
+        False: without the boundary hook (a call from another thread than the step's, such as
+        autograd's device thread, whose profiler ranges would not pair with the step's)."""
+        if boundary and self.boundary is not None:
             self.boundary(phase, self._state.step if step is None else step, detail)
         now = time.monotonic()
         with self._lock:

@@ -81,8 +81,8 @@ class Precision:
             return contextlib.nullcontext()
         return torch.autocast(self.device.type, dtype=self.dtype)
 
-    def fsdp_policy(self):
-        return fsdp_policy(self.name)
+    def fsdp_policy(self, reduce: str = "fp32"):
+        return fsdp_policy(self.name, reduce)
 
     def loss_scaler(self) -> LossScaler:
         """Dynamic loss scaling for fp16 (settings from `[precision]`); a disabled one otherwise."""
@@ -96,14 +96,16 @@ class Precision:
         )
 
 
-def fsdp_policy(dtype: str):
+def fsdp_policy(dtype: str, reduce: str = "fp32"):
     """FSDP2 mixed precision for compute dtype `dtype` (`fp32|bf16|fp16`): parameters gathered in
-    it, gradients reduced in fp32 (and kept fp32 in the sharded master copy); fp32: no casts."""
+    it, gradients reduced in `reduce` (parallel.reduce_dtype; fp32 by default) and kept fp32 in the
+    sharded master copy; fp32 with fp32 reduction: no casts."""
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
-    if COMPUTE_DTYPES[dtype] == torch.float32:
+    param, grads = COMPUTE_DTYPES[dtype], COMPUTE_DTYPES[reduce]
+    if param == torch.float32 and grads == torch.float32:
         return MixedPrecisionPolicy()
-    return MixedPrecisionPolicy(param_dtype=COMPUTE_DTYPES[dtype], reduce_dtype=torch.float32)
+    return MixedPrecisionPolicy(param_dtype=None if param == torch.float32 else param, reduce_dtype=grads)
 
 
 def hold_frozen_projections(model: torch.nn.Module, dtype: str) -> int:

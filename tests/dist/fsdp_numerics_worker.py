@@ -9,7 +9,9 @@ test_precision.py). Writes OUT_DIR/rank<R>.pt:
   `run_pass`'s loss, every parameter's whole gradient, and its op counts;
 - "fp32_ops": per low-precision dtype, per positions (none, or two documents per row): the op log
   of a forward under that dtype's FSDP2 policy, and the dtypes each block received
-  (h, cos, sin).
+  (h, cos, sin);
+- "reduce_bf16": `run_pass` of the fp32 model with gradients reduce-scattered in bf16
+  (parallel.reduce_dtype), and the dtypes of the sharded gradients the optimizer reads.
 """
 
 from __future__ import annotations
@@ -101,6 +103,12 @@ def main() -> None:
         model = parallelize(debug_model(), dims, mesh, ApplyOptions(mode, data_parallel="fsdp",
                                                                     mp_policy=fsdp_policy("fp32")))
         result["checkpointing"][mode] = run_pass(model, batch[2 * rank:2 * rank + 2])
+
+    # parallel.reduce_dtype = "bf16": the same pass, its gradients reduce-scattered in bf16.
+    model = parallelize(debug_model(), dims, mesh, ApplyOptions(data_parallel="fsdp",
+                                                                mp_policy=fsdp_policy("fp32", "bf16")))
+    result["reduce_bf16"] = run_pass(model, batch[2 * rank:2 * rank + 2])
+    result["grad_dtypes"] = sorted({str(p.grad.dtype) for p in model.parameters()})
 
     tokens, positions = trace_inputs()
     for dtype in ("bf16", "fp16"):

@@ -89,3 +89,16 @@ def test_fp32_ops_compute_in_fp32_under_fsdp2(ranks, dtype):
             assert any(o[1] == "mm" and set(o[2]) == {low} for o in ops)  # the matmuls are low precision
             for name, check in CHECKS.items():
                 check(ops, N_LAYERS)
+
+
+def test_bf16_gradient_reduction_sends_bf16_and_keeps_the_fp32_gradient(ranks):
+    """`parallel.reduce_dtype = "bf16"`: every reduced gradient element is a bf16 number (it went
+    through the reduce-scatter in bf16; the fp32 reduction's are not), held in fp32 for the
+    optimizer, within bf16's rounding (2^-7 of the largest entry) of the fp32 reduction."""
+    for rank in ranks:
+        assert rank["grad_dtypes"] == ["torch.float32"]
+        fp32, bf16 = rank["checkpointing"]["none"]["grads"], rank["reduce_bf16"]["grads"]
+        assert not all(torch.equal(g, g.bfloat16().float()) for g in fp32.values())
+        for name, grad in bf16.items():
+            assert grad.dtype == torch.float32 and torch.equal(grad, grad.bfloat16().float()), name
+            assert (grad - fp32[name]).abs().max() <= 2.0**-7 * fp32[name].abs().max(), name

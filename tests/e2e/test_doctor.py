@@ -73,6 +73,11 @@ def test_a_slow_link_is_communication_bound(recipe):
     assert first.startswith("communication-bound: exposed gradient communication (grad_sync) "), out
     steady = [r for r in _train(run_dir) if 3 <= r["step"] <= 7]
     assert all(r["phases"]["grad_sync"] > r["phases"]["data"] for r in steady), steady
+    # The remedy for FSDP's traffic, with what it would send: half the fp32 gradient, per pass.
+    sizes = re.search(r'parallel.reduce_dtype = "bf16" \(each pass\'s gradient reduce-scatter: ([\d.]+) (\w+) -> '
+                      r'([\d.]+) (\w+) per rank\)', out)
+    assert sizes, out
+    assert sizes[2] == sizes[4] and float(sizes[1]) / float(sizes[3]) == pytest.approx(2, rel=0.01), sizes[0]
 
 
 @pytest.fixture(scope="module")

@@ -33,14 +33,33 @@ class ParallelConfig(Section):
     """Context-parallel degree (parallel/cp.py): every sequence is split over `cp` ranks, each
     holding 1 / cp of its tokens (queries) and gathering every rank's keys and values in each
     attention; parameters are FSDP-sharded over dp_shard x cp. The sequence length must divide by
-    2 x cp x tp (`cp_load_balance = "head_tail"`) or cp x tp. Not with pp > 1, ep > 1, ddp, a
-    mixture of experts, GRPO or DPO yet."""
+    2 x cp x tp (`cp_load_balance = "head_tail"`) or cp x tp. Not with pp > 1 and tp > 1 together,
+    ep > 1, ddp, a mixture of experts, GRPO or DPO yet."""
     cp_load_balance: Literal["head_tail", "none"] = "head_tail"
     """How a sequence's tokens are dealt to the cp ranks: `head_tail` cuts it into 2 x cp chunks and
     gives rank r chunks r and 2 cp - 1 - r, so every rank has as much causal attention to compute;
     `none` gives rank r the r-th contiguous 1 / cp (the last rank then attends to the most keys)."""
     data_parallel: Literal["fsdp", "ddp"] = "fsdp"
     """`fsdp`: FSDP2 over dp_shard (HSDP when dp_replicate > 1 too); `ddp`: replicate (needs dp_shard = 1)."""
+    reduce_dtype: Literal["fp32", "bf16"] = "fp32"
+    """FSDP2: the dtype gradients are reduce-scattered in (its mixed-precision policy's
+    `reduce_dtype`): `bf16` halves the bytes; FSDP casts each reduced shard back to the fp32
+    gradient the optimizer reads. DDP compresses with `grad_compression` instead."""
+    grad_compression: Literal["none", "bf16", "fp16", "powersgd"] = "none"
+    """DDP: a PyTorch communication hook on every gradient bucket (parallel/compression.py):
+    `bf16` / `fp16` all-reduce it cast down (half the bytes), `powersgd` a rank-`powersgd_rank`
+    factorisation of each matrix with error feedback (what compression lost on a rank is added
+    to its next gradient; checkpointed per rank, so a resume stays bitwise)."""
+    powersgd_rank: int = Field(default=4, ge=1)
+    """PowerSGD: the rank of each matrix's approximation P Q^T (a matrix n x m sends r (n + m)
+    numbers instead of n m; one too small to gain twice is sent whole)."""
+    powersgd_start_step: int = Field(default=10, ge=1)
+    """PowerSGD: the first optimizer step compressed; the steps before all-reduce uncompressed
+    (the gradients of the first steps change fastest)."""
+    count_grad_bytes: bool = False
+    """DDP: count the bytes each rank hands to the gradient collectives (through a counting
+    process group, parallel/compression.py) and write them per step as `grad_bytes` in
+    metrics.jsonl (what `plan` predicts per step, with or without compression)."""
     pp_schedule: Literal["gpipe", "1f1b", "interleaved1f1b"] = "1f1b"
     """Pipeline schedule."""
     pp_microbatches: int | None = Field(default=None, ge=1)

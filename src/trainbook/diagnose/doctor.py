@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import json
 import statistics
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -363,7 +364,8 @@ def timing(ev: Evidence) -> list[Finding]:
     # By the share as printed, ties in the phases' own order: 0.04% and 0.02% both print 0%.
     breakdown = "; ".join(f"{k} {v:.0%}" for k, v in sorted(shares.items(), key=lambda kv: -round(kv[1] * 100)))
     evidence = [f"share of {total:.2f} s over {span} ({len(steady)} records): {breakdown}", *_caveat(ev)]
-    problems = [f for f in (straggler(steady), _bound(shares, steady, evidence)) if f is not None and f.problem]
+    problems = [f for f in (straggler(steady), _bound(shares, steady, evidence, lambda: _remedies(ev)))
+                if f is not None and f.problem]
     if problems:
         return problems
     bound = max(shares, key=shares.get)
@@ -419,7 +421,26 @@ def time_shares(records: list[dict]) -> tuple[dict[str, float], float]:
     return {k: v / total for k, v in sums.items()}, total
 
 
-def _bound(shares: dict[str, float], records: list[dict], evidence: list[str]) -> Finding | None:
+def _remedies(ev: Evidence) -> list[str]:
+    """Gradient compression for this run's layout, with the bytes it would save (plan's arithmetic:
+    parallel/plan_comm.py); none where the run's config or layout cannot be read back."""
+    from trainbook.config.load import validate, with_defaults
+    from trainbook.parallel.dims import ParallelDims
+    from trainbook.parallel.plan_comm import compression_remedies
+    from trainbook.parallel.plan_memory import PlanInputs
+
+    layout = (ev.run.env or {}).get("parallel") or {}
+    try:
+        cfg = validate(with_defaults(ev.run.config), {}, str(ev.paths.config))
+        dims = ParallelDims(layout["dp_replicate"], layout["dp_shard"], layout["tp"], layout["pp"],
+                            cp=layout.get("cp", 1))
+    except (TrainbookError, KeyError, TypeError):
+        return []
+    return compression_remedies(dims, PlanInputs(cfg.model, cfg.train, cfg.parallel, cfg.precision.dtype, cfg.lora))
+
+
+def _bound(shares: dict[str, float], records: list[dict], evidence: list[str],
+           remedies: Callable[[], list[str]]) -> Finding | None:
     over = [(shares[k] / limit, k) for k, limit in (("data", DATA_SHARE), ("grad_sync", COMM_SHARE),
                                                    ("checkpoint", CHECKPOINT_SHARE)) if shares[k] >= limit]
     if not over:
@@ -431,8 +452,11 @@ def _bound(shares: dict[str, float], records: list[dict], evidence: list[str]) -
              f"{dict(data=DATA_SHARE, grad_sync=COMM_SHARE, checkpoint=CHECKPOINT_SHARE)[key]:.0%})",
              f"worst: step {worst['step']}, {seconds:.3f} s of {worst['step_time_s']:.3f} s "
              f"({seconds / worst['step_time_s']:.0%})", *evidence]
+    advice = _NEXT[key]
+    if key == "grad_sync" and (compress := remedies()):
+        advice += "; or send fewer bytes: " + "; ".join(compress)
     return Finding(f"{_BOUND_NAMES[key]}-bound", f"{_DESCRIPTIONS[key]} {shares[key]:.0%} of step time",
-                   lines, _NEXT[key])
+                   lines, advice)
 
 
 def straggler(records: list[dict]) -> Finding | None:

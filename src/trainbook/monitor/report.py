@@ -139,6 +139,9 @@ class StepReport:
     objective: dict | None = None
     """What the training objective measured in the step (train/objective.py: fine-tuning's
     `trained_tokens`), written as keys of the record itself; None for next-token pre-training."""
+    grad_bytes: int | None = None
+    """Bytes this rank handed to DDP's gradient collectives in the step (`parallel.count_grad_bytes`;
+    parallel/compression.py); the key is left out of the record where not counted."""
     experts: dict[str, dict] | None = None
     """A mixture of experts, at the logging cadence: each MoE layer's expert load since the
     previous record (train/experts.py says the keys), written whole to experts.jsonl; the
@@ -151,6 +154,8 @@ class StepReport:
         del record["skipped"]  # the running count, skipped_steps, is the recorded fact
         del record["rank_times"]  # the straggler alert's input; the alert is the recorded fact
         record.update(record.pop("objective") or {})
+        if record["grad_bytes"] is None:
+            del record["grad_bytes"]
         experts = record.pop("experts")
         if experts is not None:
             record.update(expert_summary(experts))

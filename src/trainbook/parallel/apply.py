@@ -35,6 +35,7 @@ from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selectiv
 from trainbook.model.lora import LoRALinear
 from trainbook.model.loss import ChunkedLoss
 from trainbook.model.moe import Router
+from trainbook.parallel.compression import CompressionSpec, CountingGroup, DDPCompression
 from trainbook.parallel.cp import ContextParallel
 from trainbook.parallel.dims import ParallelDims
 from trainbook.parallel.ep import apply_ep, expert_modules
@@ -66,6 +67,8 @@ class ApplyOptions:
     """`chunked` or `full` (train.loss as parallel/compile.py settled it)."""
     cp_load_balance: str = "head_tail"
     """How a sequence's positions are dealt to the cp ranks (parallel.cp_load_balance)."""
+    compression: CompressionSpec = CompressionSpec()
+    """DDP's gradient compression and byte count (parallel/compression.py)."""
 
 
 def parallelize(model: nn.Module, dims: ParallelDims, mesh, opts: ApplyOptions) -> nn.Module:
@@ -87,13 +90,30 @@ def parallelize(model: nn.Module, dims: ParallelDims, mesh, opts: ApplyOptions) 
         model.context_parallel = ContextParallel(mesh["cp"], opts.cp_load_balance)
     if dims.dp_cp > 1:
         if opts.data_parallel == "ddp":
-            from torch.distributed._composable import replicate
-
-            replicate(model, device_mesh=mesh["dp_replicate"])
+            replicate_model(model, mesh["dp_replicate"], opts.compression)
         else:
             experts = None if expert_mesh is None else expert_dp_mesh(expert_mesh, dims)
             apply_fsdp(model, dp_mesh(mesh, dims), opts.mp_policy, experts)
     return model
+
+
+def replicate_model(model: nn.Module, mesh, spec: CompressionSpec) -> None:
+    """DDP (`replicate`) over `mesh`; with compression (or a byte count, or a slow link) trainbook's
+    hook (`model.grad_compression`, whose state checkpoints keep), and with the byte count over a
+    counting group (`model.grad_bytes`)."""
+    from torch.distributed._composable import replicate
+
+    if not spec.hooked:
+        replicate(model, device_mesh=mesh)
+        return
+    group = mesh.get_group()
+    if spec.wrapped:
+        group = CountingGroup(group, spec.link_mbps)
+        if spec.count_bytes:
+            model.grad_bytes = group
+    replicate(model, process_group=group)
+    model.grad_compression = DDPCompression(spec, group)
+    model.register_comm_hook(None, model.grad_compression.hook)
 
 
 def dp_mesh(mesh, dims: ParallelDims):

@@ -142,9 +142,25 @@ def resolve_dims(parallel: ParallelConfig, world_size: int, where: str) -> Paral
         if p.data_parallel == "ddp":
             raise TrainbookError("context parallelism shards parameters over dp_shard x cp with FSDP2; "
                                  "ddp does not take it", where=f"{where}: parallel.cp")
+    _check_compression(p, dims, where)
     if dims.pp > 1:
         _check_schedule(p, dims, where)
     return dims
+
+
+def _check_compression(p: ParallelConfig, dims: ParallelDims, where: str) -> None:
+    """Each gradient-compression setting belongs to one data-parallel implementation."""
+    if p.grad_compression != "none" and p.data_parallel != "ddp":
+        raise TrainbookError(f"grad_compression = {p.grad_compression} is a DDP communication hook; FSDP2 "
+                             "reduces in bf16 with parallel.reduce_dtype = \"bf16\"",
+                             where=f"{where}: parallel.grad_compression")
+    if p.reduce_dtype != "fp32" and p.data_parallel != "fsdp":
+        raise TrainbookError(f"reduce_dtype = {p.reduce_dtype} is FSDP2's; DDP compresses with "
+                             f"parallel.grad_compression = \"{p.reduce_dtype}\"", where=f"{where}: parallel.reduce_dtype")
+    for name, degree in (("pp", dims.pp), ("tp", dims.tp)):
+        if p.grad_compression != "none" and degree > 1:
+            raise TrainbookError(f"gradient compression with {name} = {degree} is not built yet; use {name} = 1",
+                                 where=f"{where}: parallel.grad_compression")
 
 
 def pipeline_microbatches(parallel: ParallelConfig, pp: int) -> int:

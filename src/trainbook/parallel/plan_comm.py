@@ -4,6 +4,7 @@ moves, how big and how often (parallel/plan.py puts it in the plan)."""
 from __future__ import annotations
 
 from trainbook.model.moe import is_moe_layer
+from trainbook.parallel.compression import ddp_gradient_bytes
 from trainbook.parallel.dims import ParallelDims, pipeline_microbatches
 from trainbook.parallel.plan_memory import (
     PlanInputs, block_numel, compute_bytes, human, residual_bytes, routed_numel,
@@ -39,10 +40,7 @@ def gradient_path(dims: ParallelDims, cfg: PlanInputs) -> list[dict]:
                          "text": f"all-reduce the reduce-scattered gradient shards across the {dims.dp_replicate} "
                                  f"replicas (HSDP; ~{human(shard)} per rank per pass)"})
     elif dims.dp > 1:
-        grads = (m.n_layers * block + root) * 4 // dims.pp
-        path.append({"dim": "dp_replicate", "op": "all-reduce", "bytes": grads, "per": "pass",
-                     "text": f"all-reduce every gradient (DDP, 25 MiB buckets overlapped with backward; "
-                             f"~{human(grads)} per rank per pass)"})
+        path.append(_ddp_path(dims, cfg, (m.n_layers * block + root) * 4 // dims.pp))
     if dims.tp > 1:
         gather, scatter = tokens * m.dim * r, tokens * m.dim * c
         logits = tokens * m.vocab_size * c
@@ -76,6 +74,56 @@ def gradient_path(dims: ParallelDims, cfg: PlanInputs) -> list[dict]:
                          "text": "tied embedding: the first and last stage exchange the embedding / head "
                                  "gradient shards once per step and both add them"})
     return path
+
+
+def _ddp_path(dims: ParallelDims, cfg: PlanInputs, grads: int) -> dict:
+    """DDP's all-reduce of every trainable gradient, per pass (each micro-batch synchronises);
+    under `parallel.grad_compression` what the hook hands over instead (parallel/compression.py),
+    against the uncompressed fp32 bytes. One pipeline stage, no tensor parallel: counted from the
+    trainable parameters' shapes exactly, as `CountingGroup` counts them."""
+    p = cfg.parallel
+    mode = p.grad_compression
+    if dims.pp == 1 and dims.tp == 1:
+        shapes = trainable_shapes(cfg)
+        grads = ddp_gradient_bytes(shapes, "none")
+    text = f"all-reduce every gradient (DDP, 25 MiB buckets overlapped with backward; ~{human(grads)} per rank per pass"
+    sent = grads
+    if mode != "none":
+        sent = ddp_gradient_bytes(shapes, mode, p.powersgd_rank)
+        how = (f"PowerSGD at rank {p.powersgd_rank} (each matrix as P and Q, vectors whole; from step "
+               f"{p.powersgd_start_step})" if mode == "powersgd" else f"cast to {mode}")
+        text += f" in fp32; {how}: ~{human(sent)}, {grads / sent:.1f}x fewer"
+    return {"dim": "dp_replicate", "op": "all-reduce", "bytes": sent, "uncompressed_bytes": grads, "per": "pass",
+            "text": text + ")"}
+
+
+def compression_remedies(dims: ParallelDims, cfg: PlanInputs) -> list[str]:
+    """What compressing this layout's data-parallel gradients would send per rank and pass, each
+    remedy as the setting that turns it on (doctor's communication-bound verdict names them).
+    Nothing where no data-parallel gradient travels or the layout cannot take it."""
+    p = cfg.parallel
+    if dims.dp_cp <= 1 or dims.pp > 1 or dims.tp > 1:
+        return []
+    shapes = trainable_shapes(cfg)
+    full = ddp_gradient_bytes(shapes, "none")
+    if p.data_parallel == "fsdp":
+        return [] if p.reduce_dtype != "fp32" else [
+            f"parallel.reduce_dtype = \"bf16\" (each pass's gradient reduce-scatter: {human(full)} -> "
+            f"{human(ddp_gradient_bytes(shapes, 'bf16'))} per rank)"]
+    sent = {mode: ddp_gradient_bytes(shapes, mode, p.powersgd_rank) for mode in ("bf16", "powersgd")}
+    return [f"parallel.grad_compression = \"{mode}\" ({human(full)} -> {human(b)} per rank and pass"
+            + (f", rank {p.powersgd_rank}" if mode == "powersgd" else "") + ")"
+            for mode, b in sent.items() if mode != p.grad_compression]
+
+
+def trainable_shapes(cfg: PlanInputs) -> list[tuple[int, ...]]:
+    """The shape of every parameter that trains (each once; LoRA's adapters, not its frozen base)."""
+    from trainbook.model import build_model
+    from trainbook.model.lora import apply_lora
+
+    model = build_model(cfg.model, "meta", seed=0)
+    apply_lora(model, cfg.lora, seed=0)
+    return [tuple(p.shape) for p in model.parameters() if p.requires_grad]
 
 
 def _context_path(dims: ParallelDims, cfg: PlanInputs, tokens: int, accum: int) -> dict:

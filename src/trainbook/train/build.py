@@ -32,10 +32,11 @@ from trainbook.model.surgery import freeze, reinit, resize_vocab, trainable_summ
 from trainbook.monitor import EventLog, Monitors, RunInfo, build_monitors, close_run_logger, setup_run_logger
 from trainbook.monitor.health import HealthFile
 from trainbook.parallel.apply import ApplyOptions, parallelize
+from trainbook.parallel.compression import compression_spec, settle_buckets
 from trainbook.parallel.dims import ParallelDims
 from trainbook.parallel.plan_memory import PlanInputs
 from trainbook.parallel.runtime import Runtime
-from trainbook.phase import PhaseTracker
+from trainbook.phase import Phase, PhaseTracker
 from trainbook.precision import Precision, hold_frozen_projections
 from trainbook.runs import RunPaths
 from trainbook.train.bad_steps import BadSteps
@@ -116,7 +117,8 @@ def build_trainer(settled: Settled, paths: RunPaths, data: Prepared, rt: Runtime
                    message=monitors.message)
     reports = StepReports(rt, tracker, loader, delivered, phase_memory, scaler,
                           tokens_per_step=settled.tokens_per_step, flops_per_token=settled.flops_per_token,
-                          peak=settled.peak, logged=is_logged, stragglers=stragglers, experts=experts)
+                          peak=settled.peak, logged=is_logged, stragglers=stragglers, experts=experts,
+                          grad_bytes=getattr(model, "grad_bytes", None))
     oom = OutOfMemory(cfg.diagnose, PlanInputs(cfg.model, cfg.train, cfg.parallel, cfg.precision.dtype, cfg.lora),
                       rt, model, optimizer, paths, events, logger)
     # Last: from here on every rank publishes what it does; a hang stops the run with a verdict.
@@ -257,7 +259,9 @@ def build_engine(model: nn.Module, cfg: Config, rt: Runtime, precision: Precisio
                  tracker: PhaseTracker) -> LocalEngine | PipelineEngine:
     """This rank's part of `model` and the engine that runs it."""
     opts = ApplyOptions(cfg.train.activation_checkpoint, cfg.train.compile, cfg.parallel.data_parallel,
-                        precision.fsdp_policy(), loss=cfg.train.loss, cp_load_balance=cfg.parallel.cp_load_balance)
+                        precision.fsdp_policy(cfg.parallel.reduce_dtype), loss=cfg.train.loss,
+                        cp_load_balance=cfg.parallel.cp_load_balance,
+                        compression=compression_spec(cfg.parallel, cfg.train.grad_accum_steps(rt.dims.dp)))
     if rt.dims.pp > 1:
         from trainbook.parallel.pipeline import build_pipeline
 
@@ -266,7 +270,12 @@ def build_engine(model: nn.Module, cfg: Config, rt: Runtime, precision: Precisio
             parallelize_stage=lambda stage: parallelize(stage, rt.dims, rt.mesh, opts),
         )
         return PipelineEngine(pipeline, precision, rt, tracker)
-    return LocalEngine(parallelize(model, rt.dims, rt.mesh, opts), precision, rt, tracker)
+    model = parallelize(model, rt.dims, rt.mesh, opts)
+    if (hook := getattr(model, "grad_compression", None)) is not None:
+        if opts.compression.mode == "powersgd":
+            settle_buckets(model, hook, rt.device)
+        hook.on_reduce = lambda: tracker.enter(Phase.GRAD_SYNC, detail="gradient reduction", boundary=False)
+    return LocalEngine(model, precision, rt, tracker)
 
 
 def build_sinks(cfg: Config, paths: RunPaths, rt: Runtime, tracker: PhaseTracker,

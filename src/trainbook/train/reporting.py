@@ -22,6 +22,7 @@ from trainbook.monitor import RankSpread, StepReport
 from trainbook.monitor.flops import Peak, mfu
 from trainbook.monitor.host import cpu_times, cpu_wait_share
 from trainbook.monitor.sinks import due
+from trainbook.parallel.compression import CountingGroup
 from trainbook.parallel.device import peak_memory_bytes
 from trainbook.parallel.runtime import Runtime
 from trainbook.phase import Phase, PhaseTracker
@@ -40,11 +41,12 @@ class StepReports:
     def __init__(self, rt: Runtime, tracker: PhaseTracker, loader: TrainLoader, delivered: DeliveredMix,
                  phase_memory: PhaseMemory, scaler: LossScaler, *, tokens_per_step: int, flops_per_token: float,
                  peak: Peak | None, logged: Callable[[int], bool], stragglers: StragglerObserver | None,
-                 experts: Experts | None = None):
+                 experts: Experts | None = None, grad_bytes: CountingGroup | None = None):
         self.rt, self.tracker, self.loader, self.delivered = rt, tracker, loader, delivered
         self.phase_memory, self.scaler = phase_memory, scaler
         self.tokens_per_step, self.flops_per_token, self.peak = tokens_per_step, flops_per_token, peak
         self.logged, self.stragglers, self.experts = logged, stragglers, experts
+        self.grad_bytes = grad_bytes
         self._start, self._host = 0.0, {}
 
     def start(self) -> None:
@@ -67,6 +69,7 @@ class StepReports:
             data_wait_share=result.phases["data"] / elapsed,
             cpu_wait_share=waited,
             objective=result.figures or None,
+            grad_bytes=self.grad_bytes.take() if self.grad_bytes is not None else None,
             **self._gather(step, elapsed, result.phases, mem),
         )
 

@@ -51,7 +51,13 @@ class TrainState:
             "data": {k: torch.tensor(v) for k, v in self.loader.state_dict().items()},
             "rng": {f"rank{self.rt.rank}": rng_state()},
             "precision": self.scaler.state_dict(),
+            **({"comm": {f"rank{self.rt.rank}": comm}} if (comm := self._compression_state()) else {}),
         }
+
+    def _compression_state(self) -> dict[str, torch.Tensor]:
+        """This rank's PowerSGD state (parallel/compression.py), if the run compresses with it."""
+        compression = getattr(self.model, "grad_compression", None)
+        return compression.state_dict() if compression is not None else {}
 
     def load(self, path: Path) -> None:
         """Continue from checkpoint `path`: model, optimizer moments, counters, data position, RNG."""
@@ -64,7 +70,18 @@ class TrainState:
             self.logger.warning(f"{path} has no RNG state for rank {self.rt.rank}; it keeps its seeded state")
         if "precision.scale" not in entries:  # a checkpoint from before loss scaling
             state.pop("precision")
+        compression = getattr(self.model, "grad_compression", None)
+        state.pop("comm", None)
+        held = {key.removeprefix(f"comm.{rng_key}."): (list(meta.size), meta.properties.dtype)
+                for key, meta in entries.items() if key.startswith(f"comm.{rng_key}.")}
+        if compression is not None and held:
+            state["comm"] = {rng_key: compression.state_like(held)}
+        elif compression is not None and compression.powersgd is not None:
+            self.logger.warning(f"{path} has no PowerSGD state for rank {self.rt.rank}: its error feedback "
+                                "starts from zero")
         load_state(path, state)
+        if "comm" in state:
+            compression.load_state_dict(state["comm"][rng_key])
         if "precision" in state:
             self.scaler.load_state_dict(state["precision"])
         load_optimizer_state(self.model, self.optimizer, state["optim"], self.aliases)

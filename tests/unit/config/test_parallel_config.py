@@ -1,4 +1,5 @@
-"""`parallel.cp` at resolution: a layout context parallelism cannot run yet is one line naming the key."""
+"""`[parallel]` at resolution: a layout context parallelism cannot run yet, and a gradient
+compression setting of the other data-parallel implementation, are one line naming the key."""
 
 from __future__ import annotations
 
@@ -19,8 +20,14 @@ MOE = RECIPES / "moe-tiny-shakespeare.toml"
      "context parallelism with expert parallelism (ep = 2) is not built yet"),
     (TINY, ["parallel.cp=2", "parallel.data_parallel=ddp", "parallel.dp_shard=1"], 2, "parallel.cp",
      "ddp does not take it"),
-], ids=["pp-tp", "ep", "ddp"])
-def test_what_context_parallelism_cannot_run_is_one_line(recipe, overrides, world, key, says):
+    (TINY, ["parallel.grad_compression=powersgd"], 2, "parallel.grad_compression",
+     "grad_compression = powersgd is a DDP communication hook; FSDP2 reduces in bf16 with parallel.reduce_dtype"),
+    (TINY, ["parallel.reduce_dtype=bf16", "parallel.data_parallel=ddp", "parallel.dp_replicate=2",
+            "parallel.dp_shard=1"], 2, "parallel.reduce_dtype", "reduce_dtype = bf16 is FSDP2's; DDP compresses with"),
+    (TINY, ["parallel.grad_compression=bf16", "parallel.data_parallel=ddp", "parallel.dp_shard=1", "parallel.tp=2"],
+     2, "parallel.grad_compression", "gradient compression with tp = 2 is not built yet"),
+], ids=["pp-tp", "ep", "ddp", "compression-fsdp", "reduce-dtype-ddp", "compression-tp"])
+def test_what_the_layout_cannot_run_is_one_line(recipe, overrides, world, key, says):
     with pytest.raises(TrainbookError) as e:
         resolve(recipe, overrides, world_size=world)
     assert e.value.where == f"{recipe}: {key}" and says in str(e.value), (e.value.where, str(e.value))
