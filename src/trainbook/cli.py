@@ -319,11 +319,14 @@ def bench_comm(
     nproc: Annotated[int, typer.Option(help="Ranks on this machine.", min=1)] = 2,
     max_bytes: Annotated[str, typer.Option(help="Largest message (e.g. 64MiB).")] = "64MiB",
     iters: Annotated[int, typer.Option(help="Timed iterations per size.", min=1)] = 20,
+    grad_compression: Annotated[bool, typer.Option(
+        "--grad-compression", help="DDP's gradient reduction under each parallel.grad_compression instead: "
+        "bytes sent, time and speed-up per hook.")] = False,
 ) -> None:
     """All-reduce, all-gather and reduce-scatter bus bandwidth over message sizes (torchrun workers)."""
     from trainbook.commands.bench import bench_comm_command
 
-    typer.echo(bench_comm_command(nproc, max_bytes, iters))
+    typer.echo(bench_comm_command(nproc, max_bytes, iters, grad_compression=grad_compression))
 
 
 def main() -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import subprocess
 import sys
 
@@ -77,3 +78,37 @@ def test_format_table_lists_every_record():
     assert lines[0].split() == ["op", "size", "time_us", "algbw", "GB/s", "busbw", "GB/s"]
     assert [line.split()[:3] for line in lines if line.split()[:1] in ([op] for op in OPS)] == [
         [op, "1", "MiB"] for op in OPS]
+
+
+def _hook_bench(tmp_path, env=None) -> tuple[subprocess.CompletedProcess, dict | None]:
+    out = tmp_path / "hooks.json"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--standalone",
+           "-m", "trainbook.parallel.comm_bench", "--device", "cpu", "--min-bytes", "1KiB",
+           "--max-bytes", "64KiB", "--iters", "2", "--warmup", "1", "--grad-compression", "--json", str(out)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env={**os.environ, **(env or {})})
+    return proc, json.loads(out.read_text()) if out.exists() else None
+
+
+def test_two_ranks_measure_each_gradient_compression_and_count_what_it_sends(tmp_path):
+    """`bench comm --grad-compression`: every hook of parallel.grad_compression on a square fp32
+    gradient of each size; the bytes a rank sends are counted at the process group: the whole
+    bucket, half of it in 16 bits, PowerSGD's P and Q (rank 4) once the matrix is big enough to gain
+    twice (side > 16), else the bucket whole."""
+    proc, result = _hook_bench(tmp_path)
+    assert proc.returncode == 0 and result is not None, (proc.stdout + proc.stderr)[-3000:]
+    sides = [32 * 2**k // 2 for k in range(4)]  # 1, 4, 16, 64 KiB of fp32: 16, 32, 64, 128 a side
+    expected = []
+    for side in sides:
+        full = side * side * 4
+        psgd = 2 * side * 4 * 4 if 2 * side * 4 * 2 < side * side else full
+        expected += [("none", full, full), ("bf16", full, full // 2), ("fp16", full, full // 2), ("powersgd", full, psgd)]
+    assert [(r["hook"], r["bytes"], r["sent"]) for r in result["records"]] == expected
+    for r in result["records"]:
+        assert math.isfinite(r["time_us"]) and r["time_us"] > 0 and r["speedup"] > 0
+    assert "powersgd" in proc.stdout and "128.0x" not in proc.stdout and "16.0x" in proc.stdout  # 64 KiB: 65536 / 4096
+
+
+def test_a_hook_that_does_not_reduce_fails_the_bench_loudly(tmp_path):
+    proc, result = _hook_bench(tmp_path, {"TRAINBOOK_FAULT": "comm.skip_reduce"})
+    assert proc.returncode != 0 and result is None
+    assert "none reduction of a 16x16 gradient returned wrong values on rank 0 of 2" in proc.stdout + proc.stderr

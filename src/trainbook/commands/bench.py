@@ -121,9 +121,11 @@ def bench_comm_command(
     dtype: str = "float32",
     device: str = "auto",
     timeout_s: float = 600,
+    grad_compression: bool = False,
 ) -> str:
     """Run the bench on `nproc` local ranks through torch.distributed.run; the text to print.
-    `max_bytes`: bytes, or a size as written on the command line ("64MiB").
+    `max_bytes`: bytes, or a size as written on the command line ("64MiB"). `grad_compression`:
+    DDP's gradient reduction under each `parallel.grad_compression` instead of the collectives.
 
     TrainbookError for bad arguments (before any process starts); RuntimeError, with the
     workers' log tail, if the ranks fail or write no result.
@@ -145,7 +147,7 @@ def bench_comm_command(
                "--nproc-per-node", str(nproc), "-m", "trainbook.parallel.comm_bench",
                "--min-bytes", str(min_bytes), "--max-bytes", str(max_bytes),
                "--iters", str(iters), "--warmup", str(warmup), "--dtype", dtype,
-               "--device", device, "--json", str(out)]
+               "--device", device, "--json", str(out), *(["--grad-compression"] if grad_compression else [])]
         proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         try:
             log, _ = proc.communicate(timeout=timeout_s)
@@ -156,4 +158,8 @@ def bench_comm_command(
         if not out.exists() or proc.returncode != 0:
             raise RuntimeError(f"comm bench failed (exit code {proc.returncode}):\n{log[-3000:]}")
         result = json.loads(out.read_text())
+    if grad_compression:
+        from trainbook.parallel.comm_bench_hooks import format_hook_table
+
+        return describe(result) + "\n" + format_hook_table(result["records"])
     return describe(result) + "\n" + format_table(result["records"])

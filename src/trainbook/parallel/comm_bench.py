@@ -18,6 +18,10 @@ Worker entry point, one process per rank under torchrun:
 
     python -m torch.distributed.run --standalone --nproc-per-node 2 \\
         -m trainbook.parallel.comm_bench [--max-bytes 64MiB] [--iters 20] [--json PATH]
+        [--grad-compression]
+
+`--grad-compression` measures DDP's gradient reduction under each `parallel.grad_compression`
+instead (parallel/comm_bench_hooks.py).
 """
 
 from __future__ import annotations
@@ -176,9 +180,12 @@ def format_table(records: list[dict]) -> str:
 def describe(result: dict) -> str:
     """The line above the table: what was measured, and how."""
     n = result["world_size"]
+    what = ("DDP's gradient reduction of one fp32 matrix per rank, per parallel.grad_compression hook"
+            if result.get("grad_compression") else f"{result['dtype']}")
+    how = "sent = bytes handed to the collectives" if result.get("grad_compression") else "busbw as nccl-tests"
     return (f"{result['backend']} on {result['device']}, {n} rank{'s' if n > 1 else ''}, "
-            f"{result['dtype']}, {result['iters']} iters after {result['warmup']} warmup; "
-            f"time = slowest rank's mean; busbw as nccl-tests")
+            f"{what}, {result['iters']} iters after {result['warmup']} warmup; "
+            f"time = slowest rank's mean; {how}")
 
 
 def _size(text: str) -> int:
@@ -199,6 +206,8 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--dtype", choices=DTYPES, default="float32")
     parser.add_argument("--device", choices=("auto", "cpu", "cuda", "npu"), default="auto")
     parser.add_argument("--json", type=Path, default=None, help="rank 0 writes the results here")
+    parser.add_argument("--grad-compression", action="store_true",
+                        help="DDP's gradient reduction under each parallel.grad_compression instead")
     return parser.parse_args(argv)
 
 
@@ -214,13 +223,20 @@ def main(argv: Sequence[str] | None = None) -> None:
         getattr(torch, device.type).set_device(device)
     backend = BACKENDS[device.type]
     dist.init_process_group(backend, device_id=device if device.type == "cuda" else None)
-    records = run_comm_bench(sizes, args.iters, args.warmup, DTYPES[args.dtype], device)
+    if args.grad_compression:
+        from trainbook.parallel.comm_bench_hooks import format_hook_table, run_hook_bench
+
+        records = run_hook_bench(sizes, args.iters, args.warmup, device)
+        dtype, table = "float32", format_hook_table
+    else:
+        records = run_comm_bench(sizes, args.iters, args.warmup, DTYPES[args.dtype], device)
+        dtype, table = args.dtype, format_table
     if dist.get_rank() == 0:
         result = {"backend": backend, "device": device.type, "world_size": dist.get_world_size(),
-                  "dtype": args.dtype, "iters": args.iters, "warmup": args.warmup,
-                  "records": records}
+                  "dtype": dtype, "iters": args.iters, "warmup": args.warmup,
+                  "grad_compression": args.grad_compression, "records": records}
         print(describe(result))
-        print(format_table(records))
+        print(table(records))
         if args.json is not None:
             tmp = args.json.with_name(args.json.name + ".tmp")
             tmp.write_text(json.dumps(result, indent=1))
