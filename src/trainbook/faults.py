@@ -60,6 +60,8 @@ Two kinds of point:
                         built once; parallel/compression.py): a broken remedy;
   `comm.skip_reduce`    DDP's hook hands every gradient bucket back unreduced: each rank steps on
                         its own gradient (arm it bare): a broken remedy;
+  `comm.skip_outer`     delayed synchronisation (parallel.sync_every) skips its outer step: the
+                        replicas train apart and never meet again (arm it bare): a broken remedy;
   `comm.slow_link`      DDP's gradient all-reduces complete late by their bytes over a link of
                         TRAINBOOK_FAULT_LINK_MBPS (default 20) MB/s, on the backend's thread (the
                         ranks compute on while it transfers, as beside a slow network; arm it bare):

@@ -44,6 +44,12 @@ RUNS = {
     # SIGKILLed on rank 1 after step 13 of the first attempt; the agent restarts from step 8's checkpoint.
     "powersgd-killed": (["parallel.grad_compression=powersgd", "--max-restarts", "1"],
                         {"TRAINBOOK_FAULT": "train.after_step@13:r1:a0"}),
+    # Delayed synchronisation, H = 4: local SGD (the replicas' average), the same with the outer
+    # step skipped on purpose (the replicas never meet again), DiLoCo (outer Nesterov) and DiLoCo killed.
+    "local-sgd": (["parallel.sync_every=4", "parallel.outer_optimizer=average"], {}),
+    "local-sgd-apart": (["parallel.sync_every=4", "parallel.outer_optimizer=average"], {"TRAINBOOK_FAULT": "comm.skip_outer"}),
+    "diloco": (["parallel.sync_every=4"], {}),
+    "diloco-killed": (["parallel.sync_every=4", "--max-restarts", "1"], {"TRAINBOOK_FAULT": "train.after_step@13:r1:a0"}),
 }
 
 
@@ -69,10 +75,9 @@ def _losses(records: list[dict]) -> dict[int, float]:
     return {r["step"]: r["loss"] for r in records}
 
 
-def _plan_bytes(mode: str) -> int:
-    plan = json.loads(plan_command(RECIPES / "tiny-shakespeare.toml", [*COMMON[:1], "parallel.data_parallel=ddp", "parallel.dp_replicate=2",
-                                           "parallel.dp_shard=1", f"parallel.grad_compression={mode}",
-                                           "parallel.powersgd_rank=4"], 2, None, as_json=True))
+def _plan_bytes(mode: str, *more: str) -> int:
+    plan = json.loads(plan_command(RECIPES / "tiny-shakespeare.toml", [*COMMON, f"parallel.grad_compression={mode}", *more],
+                                   2, None, as_json=True))
     [ddp] = [c for c in plan["gradient_path"] if c["dim"] == "dp_replicate"]
     return ddp["bytes"]
 
@@ -87,11 +92,12 @@ def test_the_bytes_each_rank_sends_per_step_are_what_plan_predicts(runs, mode):
     print(mode, _plan_bytes(mode), f"{_plan_bytes('none') / _plan_bytes(mode):.1f}x fewer")
 
 
-BANDS = {"bf16": 1e-4, "powersgd": 3e-3}
+BANDS = {"bf16": 1e-4, "powersgd": 3e-3, "local-sgd": 5e-3}
 """The largest relative difference allowed from the uncompressed run's mean loss over the last 8
 steps. Measured (tiny-shakespeare, 2 ranks, 24 steps): bf16 2.7e-7 (unreduced 7.5e-3); PowerSGD at
-rank 4 from step 4 1.8e-3 (without error feedback 4.6e-3)."""
-BROKEN = {"bf16": "bf16-unreduced", "powersgd": "powersgd-no-error-feedback"}
+rank 4 from step 4 1.8e-3 (without error feedback 4.6e-3); local SGD at H = 4 2.6e-3 (replicas
+never averaged 7.5e-3)."""
+BROKEN = {"bf16": "bf16-unreduced", "powersgd": "powersgd-no-error-feedback", "local-sgd": "local-sgd-apart"}
 
 
 def _tail_gap(records: list[dict], base: list[dict]) -> float:
@@ -99,16 +105,28 @@ def _tail_gap(records: list[dict], base: list[dict]) -> float:
     return abs(mean(records) - mean(base)) / mean(base)
 
 
-@pytest.mark.parametrize("mode", ["bf16", "powersgd"])
+@pytest.mark.parametrize("mode", ["bf16", "powersgd", "local-sgd"])
 def test_loss_curves_stay_in_band_and_a_broken_remedy_leaves_it(runs, mode):
     gap, broken = _tail_gap(runs[mode], runs["none"]), _tail_gap(runs[BROKEN[mode]], runs["none"])
     print(mode, f"relative gap of the last 8 steps' mean loss {gap:.2e} (band {BANDS[mode]:.0e}); broken {broken:.2e}")
     assert gap <= BANDS[mode] < broken, (gap, broken)
 
 
-def test_a_killed_powersgd_run_restarts_bitwise(runs):
-    straight, killed = _losses(runs["powersgd"]), _losses(runs["powersgd-killed"])
+@pytest.mark.parametrize("remedy", ["powersgd", "diloco"])
+def test_a_killed_run_restarts_bitwise(runs, remedy):
+    """PowerSGD's per-rank error feedback; DiLoCo's per-rank inner moments and outer momentum."""
+    straight, killed = _losses(runs[remedy]), _losses(runs[f"{remedy}-killed"])
     assert killed == straight  # every step, steps 9-13 trained twice included
+
+
+def test_delayed_synchronisation_sends_the_weights_once_every_h_steps(runs):
+    """After step 1 (rank 0's weights broadcast), every 4th step all-reduces every weight's change,
+    the bytes `plan` states per sync; nothing travels between."""
+    per_sync = _plan_bytes("none", "parallel.sync_every=4")
+    assert per_sync == _plan_bytes("none")  # the same bytes as one step's gradients, H times rarer
+    for name in ("local-sgd", "diloco"):
+        sent = {r["step"]: r["grad_bytes"] for r in runs[name] if r["step"] >= 2}
+        assert sent == {s: per_sync if s % 4 == 0 else 0 for s in range(2, STEPS + 1)}, (name, sent)
 
 
 def test_doctor_calls_a_slow_link_communication_bound_and_names_the_compressions(runs, root):

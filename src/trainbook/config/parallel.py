@@ -60,6 +60,19 @@ class ParallelConfig(Section):
     """DDP: count the bytes each rank hands to the gradient collectives (through a counting
     process group, parallel/compression.py) and write them per step as `grad_bytes` in
     metrics.jsonl (what `plan` predicts per step, with or without compression)."""
+    sync_every: int = Field(default=0, ge=0)
+    """Delayed synchronisation (parallel/local_sgd.py): 0 synchronises gradients every step;
+    H > 0 trains each DDP replica on its own for H steps (no gradient all-reduce), then takes an
+    outer step on the replicas' average change (local SGD, DiLoCo): 1/H of the traffic. A
+    checkpoint, the last step and a stop synchronise too, so every checkpoint holds one model."""
+    outer_optimizer: Literal["nesterov", "average"] = "nesterov"
+    """The outer step every `sync_every` steps: `nesterov` (DiLoCo) applies SGD with Nesterov
+    momentum (`outer_lr`, `outer_momentum`) to the average of (last synchronised weights - each
+    replica's weights); `average` (local SGD) sets the weights to the replicas' average."""
+    outer_lr: float = Field(default=0.7, gt=0)
+    """The outer Nesterov step's learning rate (DiLoCo's 0.7)."""
+    outer_momentum: float = Field(default=0.9, ge=0, lt=1)
+    """The outer Nesterov step's momentum (DiLoCo's 0.9)."""
     pp_schedule: Literal["gpipe", "1f1b", "interleaved1f1b"] = "1f1b"
     """Pipeline schedule."""
     pp_microbatches: int | None = Field(default=None, ge=1)

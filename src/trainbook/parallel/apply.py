@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import (
@@ -38,6 +39,7 @@ from trainbook.model.moe import Router
 from trainbook.parallel.compression import CompressionSpec, CountingGroup, DDPCompression
 from trainbook.parallel.cp import ContextParallel
 from trainbook.parallel.dims import ParallelDims
+from trainbook.parallel.local_sgd import OuterLoop
 from trainbook.parallel.ep import apply_ep, expert_modules
 
 # Ops whose outputs selective checkpointing keeps: matmuls and attention are expensive to
@@ -69,6 +71,9 @@ class ApplyOptions:
     """How a sequence's positions are dealt to the cp ranks (parallel.cp_load_balance)."""
     compression: CompressionSpec = CompressionSpec()
     """DDP's gradient compression and byte count (parallel/compression.py)."""
+    local_sgd: Any = None
+    """The ParallelConfig when `parallel.sync_every` > 0: replicas trained apart, an outer step
+    every H steps (parallel/local_sgd.py) instead of DDP."""
 
 
 def parallelize(model: nn.Module, dims: ParallelDims, mesh, opts: ApplyOptions) -> nn.Module:
@@ -89,7 +94,9 @@ def parallelize(model: nn.Module, dims: ParallelDims, mesh, opts: ApplyOptions) 
     if dims.cp > 1:
         model.context_parallel = ContextParallel(mesh["cp"], opts.cp_load_balance)
     if dims.dp_cp > 1:
-        if opts.data_parallel == "ddp":
+        if opts.data_parallel == "ddp" and opts.local_sgd is not None:
+            model.outer_loop = OuterLoop(model, ddp_group(model, mesh["dp_replicate"], opts.compression), opts.local_sgd)
+        elif opts.data_parallel == "ddp":
             replicate_model(model, mesh["dp_replicate"], opts.compression)
         else:
             experts = None if expert_mesh is None else expert_dp_mesh(expert_mesh, dims)
@@ -106,14 +113,21 @@ def replicate_model(model: nn.Module, mesh, spec: CompressionSpec) -> None:
     if not spec.hooked:
         replicate(model, device_mesh=mesh)
         return
+    group = ddp_group(model, mesh, spec)
+    replicate(model, process_group=group)
+    model.grad_compression = DDPCompression(spec, group)
+    model.register_comm_hook(None, model.grad_compression.hook)
+
+
+def ddp_group(model: nn.Module, mesh, spec: CompressionSpec) -> dist.ProcessGroup:
+    """The replicas' process group; a counting one (`model.grad_bytes` when bytes are counted)
+    for a byte count or a slow link."""
     group = mesh.get_group()
     if spec.wrapped:
         group = CountingGroup(group, spec.link_mbps)
         if spec.count_bytes:
             model.grad_bytes = group
-    replicate(model, process_group=group)
-    model.grad_compression = DDPCompression(spec, group)
-    model.register_comm_hook(None, model.grad_compression.hook)
+    return group
 
 
 def dp_mesh(mesh, dims: ParallelDims):

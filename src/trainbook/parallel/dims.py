@@ -161,6 +161,21 @@ def _check_compression(p: ParallelConfig, dims: ParallelDims, where: str) -> Non
         if p.grad_compression != "none" and degree > 1:
             raise TrainbookError(f"gradient compression with {name} = {degree} is not built yet; use {name} = 1",
                                  where=f"{where}: parallel.grad_compression")
+    if p.sync_every:
+        _check_local_sgd(p, dims, f"{where}: parallel.sync_every")
+
+
+def _check_local_sgd(p: ParallelConfig, dims: ParallelDims, where: str) -> None:
+    """Delayed synchronisation trains whole DDP replicas apart (parallel/local_sgd.py)."""
+    if p.data_parallel != "ddp" or dims.dp_shard > 1:
+        raise TrainbookError(f"sync_every = {p.sync_every} trains whole replicas apart: it needs "
+                             "parallel.data_parallel = \"ddp\" (dp_shard = 1)", where=where)
+    for name, degree in (("tp", dims.tp), ("pp", dims.pp), ("cp", dims.cp), ("ep", dims.ep)):
+        if degree > 1:
+            raise TrainbookError(f"sync_every with {name} = {degree} is not built yet; use {name} = 1", where=where)
+    if p.grad_compression != "none":
+        raise TrainbookError(f"sync_every = {p.sync_every} sends no gradients to compress; drop "
+                             f"parallel.grad_compression = {p.grad_compression}", where=where)
 
 
 def pipeline_microbatches(parallel: ParallelConfig, pp: int) -> int:

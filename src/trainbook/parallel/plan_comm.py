@@ -86,6 +86,11 @@ def _ddp_path(dims: ParallelDims, cfg: PlanInputs, grads: int) -> dict:
     if dims.pp == 1 and dims.tp == 1:
         shapes = trainable_shapes(cfg)
         grads = ddp_gradient_bytes(shapes, "none")
+    if p.sync_every:
+        return {"dim": "dp_replicate", "op": "all-reduce", "bytes": grads, "uncompressed_bytes": grads, "per": "sync",
+                "text": f"all-reduce every weight's change since the last outer step, once every {p.sync_every} "
+                        f"steps (parallel.sync_every, {p.outer_optimizer}; ~{human(grads)} per rank per sync, no "
+                        f"gradient traffic between: {p.sync_every}x fewer bytes per step)"}
     text = f"all-reduce every gradient (DDP, 25 MiB buckets overlapped with backward; ~{human(grads)} per rank per pass"
     sent = grads
     if mode != "none":
@@ -95,6 +100,11 @@ def _ddp_path(dims: ParallelDims, cfg: PlanInputs, grads: int) -> dict:
         text += f" in fp32; {how}: ~{human(sent)}, {grads / sent:.1f}x fewer"
     return {"dim": "dp_replicate", "op": "all-reduce", "bytes": sent, "uncompressed_bytes": grads, "per": "pass",
             "text": text + ")"}
+
+
+LOCAL_SGD_H = 4
+"""The synchronisation interval doctor names (DiLoCo trains H = 500 on slow links; 4 keeps the
+replicas close at any scale)."""
 
 
 def compression_remedies(dims: ParallelDims, cfg: PlanInputs) -> list[str]:
@@ -110,10 +120,14 @@ def compression_remedies(dims: ParallelDims, cfg: PlanInputs) -> list[str]:
         return [] if p.reduce_dtype != "fp32" else [
             f"parallel.reduce_dtype = \"bf16\" (each pass's gradient reduce-scatter: {human(full)} -> "
             f"{human(ddp_gradient_bytes(shapes, 'bf16'))} per rank)"]
+    if p.sync_every:
+        return []
     sent = {mode: ddp_gradient_bytes(shapes, mode, p.powersgd_rank) for mode in ("bf16", "powersgd")}
     return [f"parallel.grad_compression = \"{mode}\" ({human(full)} -> {human(b)} per rank and pass"
             + (f", rank {p.powersgd_rank}" if mode == "powersgd" else "") + ")"
-            for mode, b in sent.items() if mode != p.grad_compression]
+            for mode, b in sent.items() if mode != p.grad_compression] + [
+        f"parallel.sync_every = {LOCAL_SGD_H} (local SGD / DiLoCo: {human(full)} once every {LOCAL_SGD_H} steps, "
+        f"{human(full // LOCAL_SGD_H)} per step)"]
 
 
 def trainable_shapes(cfg: PlanInputs) -> list[tuple[int, ...]]:

@@ -98,6 +98,7 @@ def build_trainer(settled: Settled, paths: RunPaths, data: Prepared, rt: Runtime
     optimizer = build_optimizer(model, cfg.optim, embeddings=engine.embeddings)
     scaler = precision.loss_scaler()
     state = TrainState(model, optimizer, engine.optim_aliases, loader, scaler, rt, paths.events, logger)
+    state.outer = getattr(model, "outer_loop", None)  # delayed synchronisation (parallel/local_sgd.py)
     incidents = RolloutIncidents(paths, rt, monitors.message)
     objective = build_objective(cfg, data, rt, settled.accum_steps, model, lambda: state.step,
                                 incidents.reward_error)
@@ -261,7 +262,8 @@ def build_engine(model: nn.Module, cfg: Config, rt: Runtime, precision: Precisio
     opts = ApplyOptions(cfg.train.activation_checkpoint, cfg.train.compile, cfg.parallel.data_parallel,
                         precision.fsdp_policy(cfg.parallel.reduce_dtype), loss=cfg.train.loss,
                         cp_load_balance=cfg.parallel.cp_load_balance,
-                        compression=compression_spec(cfg.parallel, cfg.train.grad_accum_steps(rt.dims.dp)))
+                        compression=compression_spec(cfg.parallel, cfg.train.grad_accum_steps(rt.dims.dp)),
+                        local_sgd=cfg.parallel if cfg.parallel.sync_every else None)
     if rt.dims.pp > 1:
         from trainbook.parallel.pipeline import build_pipeline
 
@@ -275,7 +277,9 @@ def build_engine(model: nn.Module, cfg: Config, rt: Runtime, precision: Precisio
         if opts.compression.mode == "powersgd":
             settle_buckets(model, hook, rt.device)
         hook.on_reduce = lambda: tracker.enter(Phase.GRAD_SYNC, detail="gradient reduction", boundary=False)
-    return LocalEngine(model, precision, rt, tracker)
+    engine = LocalEngine(model, precision, rt, tracker)
+    engine.apart = getattr(model, "outer_loop", None) is not None
+    return engine
 
 
 def build_sinks(cfg: Config, paths: RunPaths, rt: Runtime, tracker: PhaseTracker,

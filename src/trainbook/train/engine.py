@@ -88,6 +88,8 @@ class LocalEngine:
         cp = getattr(model, "context_parallel", None)
         self.shard = cp.shard if cp is not None else _whole
         """This rank's share of a batch: under context parallelism its part of each sequence."""
+        self.apart = False
+        """The data-parallel replicas train apart between outer steps (parallel.sync_every)."""
 
     def in_training_forward(self) -> bool:
         """Whether a forward running now is a training step's (hooks that gather statistics ask)."""
@@ -114,7 +116,10 @@ class LocalEngine:
         return micro.value.detach()
 
     def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
-        return clip_grad_norm(list(self.model.parameters()), max_norm)
+        norm = clip_grad_norm(list(self.model.parameters()), max_norm)
+        if self.apart:  # each replica clipped by its own norm; all report (and judge by) their RMS
+            norm = self.rt.all_reduce_mean(norm.float() ** 2, over=self.rt.dims.dp).sqrt()
+        return norm
 
     def eval_loss(self, batch: Batch, objective: Objective) -> torch.Tensor:
         with self.precision.autocast():

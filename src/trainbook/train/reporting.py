@@ -69,7 +69,6 @@ class StepReports:
             data_wait_share=result.phases["data"] / elapsed,
             cpu_wait_share=waited,
             objective=result.figures or None,
-            grad_bytes=self.grad_bytes.take() if self.grad_bytes is not None else None,
             **self._gather(step, elapsed, result.phases, mem),
         )
 
@@ -82,7 +81,10 @@ class StepReports:
         tokens_per_s = self.tokens_per_step / max(elapsed - phases["checkpoint"] - phases["eval"], 1e-9)
         return dataclasses.replace(
             report, step_time_s=elapsed, phases=phases, data_wait_share=phases["data"] / elapsed,
-            tokens_per_s=tokens_per_s, mfu=self._mfu(tokens_per_s))
+            tokens_per_s=tokens_per_s, mfu=self._mfu(tokens_per_s),
+            # what the gradient collectives took since the last record: the step's, and an outer
+            # step's after it (parallel.sync_every)
+            grad_bytes=self.grad_bytes.take() if self.grad_bytes is not None else None)
 
     def _mfu(self, tokens_per_s: float) -> float | None:
         return mfu(tokens_per_s, self.flops_per_token, self.peak, self.rt.world_size)

@@ -41,6 +41,9 @@ class TrainState:
         self.events_path, self.logger = events_path, logger
         self.step = 0
         self.tokens = 0
+        self.outer = None
+        """Delayed synchronisation's outer loop (parallel/local_sgd.py), or None: each replica's
+        inner optimizer state is then kept per rank, and the outer momentum beside it."""
 
     def state_dict(self) -> dict:
         """Everything a checkpoint holds: tensors only."""
@@ -52,7 +55,14 @@ class TrainState:
             "rng": {f"rank{self.rt.rank}": rng_state()},
             "precision": self.scaler.state_dict(),
             **({"comm": {f"rank{self.rt.rank}": comm}} if (comm := self._compression_state()) else {}),
+            **self._outer_state(),
         }
+
+    def _outer_state(self) -> dict:
+        if self.outer is None:
+            return {}
+        local = {"local": {f"rank{self.rt.rank}": {"optim": optimizer_state(self.model, self.optimizer, self.aliases)}}}
+        return {**local, **({"outer": outer} if (outer := self.outer.state_dict()) else {})}
 
     def _compression_state(self) -> dict[str, torch.Tensor]:
         """This rank's PowerSGD state (parallel/compression.py), if the run compresses with it."""
@@ -79,7 +89,12 @@ class TrainState:
         elif compression is not None and compression.powersgd is not None:
             self.logger.warning(f"{path} has no PowerSGD state for rank {self.rt.rank}: its error feedback "
                                 "starts from zero")
+        self._outer_like(path, state, entries, rng_key)
         load_state(path, state)
+        if self.outer is not None:
+            if "local" in state:
+                state["optim"] = state["local"][rng_key]["optim"]
+            self.outer.load_state_dict(state.get("outer", {}))
         if "comm" in state:
             compression.load_state_dict(state["comm"][rng_key])
         if "precision" in state:
@@ -93,6 +108,22 @@ class TrainState:
         # The data windows this run's rollbacks skipped (events.jsonl) are never read again.
         for start, end in self.rt.rank0_first(lambda: skipped_windows(self.events_path)):
             self.loader.skip(start, end)
+
+    def _outer_like(self, path: Path, state: dict, entries: dict, rank: str) -> None:
+        """What to load of delayed synchronisation's state: this rank's inner optimizer moments
+        (else rank 0's `optim`, said in the log) and the outer momentum."""
+        state.pop("local", None)
+        state.pop("outer", None)
+        if self.outer is None:
+            return
+        mine = optimizer_state_like(self.model, entries, prefix=f"local.{rank}.optim.", aliases=self.aliases)
+        if mine:
+            state["local"] = {rank: {"optim": mine}}
+        else:
+            self.logger.warning(f"{path} has no inner optimizer state for rank {self.rt.rank}: it starts from rank 0's")
+        keys = {key.removeprefix("outer.") for key in entries if key.startswith("outer.")}
+        if keys:
+            state["outer"] = self.outer.state_like(keys)
 
     def record_resume(self, path: Path, emit: Callable[..., None], message: Callable[[str], None], **facts) -> None:
         """Say in the log and events.jsonl (`emit`) where this run continues from, and what was skipped."""

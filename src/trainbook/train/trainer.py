@@ -72,11 +72,14 @@ class Trainer:
                     report = self.advance()
                     if report is None:  # rolled back (triage): on from the checkpoint
                         continue
+                    decision = self.bad.decide(report, self.stop_signal is not None)
+                    save = decision is Decision.STOP or (decision is not Decision.FAIL
+                                                         and self.checkpointer.due(self.state.step, t.last_step))
+                    if self.state.outer is not None and decision is not Decision.FAIL:
+                        self._outer_step(force=save or self.state.step == t.last_step)
                     if self.val_batches and (self.state.step % t.eval_every == 0 or self.state.step == t.last_step):
                         last_eval = self._evaluate()
-                    decision = self.bad.decide(report, self.stop_signal is not None)
-                    if decision is Decision.STOP or (decision is not Decision.FAIL
-                                                     and self.checkpointer.due(self.state.step, t.last_step)):
+                    if save:
                         self._save_checkpoint()
                     report = self.publish(report)  # its record covers the eval and checkpoint above
                     if decision is Decision.FAIL:
@@ -182,6 +185,13 @@ class Trainer:
         return val_loss
 
     # ---- checkpoints, resume, signals ----------------------------------------------------
+
+    def _outer_step(self, force: bool) -> None:
+        """Delayed synchronisation's outer step when due, or before a checkpoint, the last step or a
+        stop (`force`: a checkpoint holds one model); its wait is the step's `grad_sync`."""
+        if force or self.state.outer.due(self.state.step):
+            self.tracker.enter(Phase.GRAD_SYNC, detail="outer step")
+            self.state.outer.sync(self.state.step, force=force)
 
     def _save_checkpoint(self) -> None:
         self.tracker.enter(Phase.CHECKPOINT)

@@ -1,5 +1,6 @@
-"""`[parallel]` at resolution: a layout context parallelism cannot run yet, and a gradient
-compression setting of the other data-parallel implementation, are one line naming the key."""
+"""`[parallel]` at resolution: a layout context parallelism cannot run yet, a gradient compression
+setting of the other data-parallel implementation, and delayed synchronisation beside what it
+cannot take, are one line naming the key."""
 
 from __future__ import annotations
 
@@ -26,7 +27,14 @@ MOE = RECIPES / "moe-tiny-shakespeare.toml"
             "parallel.dp_shard=1"], 2, "parallel.reduce_dtype", "reduce_dtype = bf16 is FSDP2's; DDP compresses with"),
     (TINY, ["parallel.grad_compression=bf16", "parallel.data_parallel=ddp", "parallel.dp_shard=1", "parallel.tp=2"],
      2, "parallel.grad_compression", "gradient compression with tp = 2 is not built yet"),
-], ids=["pp-tp", "ep", "ddp", "compression-fsdp", "reduce-dtype-ddp", "compression-tp"])
+    (TINY, ["parallel.sync_every=4"], 2, "parallel.sync_every",
+     "sync_every = 4 trains whole replicas apart: it needs parallel.data_parallel = \"ddp\""),
+    (TINY, ["parallel.sync_every=4", "parallel.data_parallel=ddp", "parallel.dp_shard=1", "parallel.tp=2"], 2,
+     "parallel.sync_every", "sync_every with tp = 2 is not built yet"),
+    (TINY, ["parallel.sync_every=4", "parallel.data_parallel=ddp", "parallel.dp_shard=1", "parallel.dp_replicate=2",
+            "parallel.grad_compression=bf16"], 2, "parallel.sync_every", "sends no gradients to compress"),
+], ids=["pp-tp", "ep", "ddp", "compression-fsdp", "reduce-dtype-ddp", "compression-tp", "local-sgd-fsdp",
+        "local-sgd-tp", "local-sgd-compression"])
 def test_what_the_layout_cannot_run_is_one_line(recipe, overrides, world, key, says):
     with pytest.raises(TrainbookError) as e:
         resolve(recipe, overrides, world_size=world)
