@@ -1,18 +1,23 @@
-"""Compressed gradient reduction under DDP on 2 real ranks (gloo), the default recipe's model and data
-(`parallel.grad_compression`, parallel/compression.py): every run counts the bytes each rank hands
-to the gradient collectives through a counting process group (`parallel.count_grad_bytes`).
+"""The remedies for communication-bound data parallelism on 2 real ranks (gloo), the default
+recipe's model and data: compressed gradient reduction (`parallel.grad_compression`,
+`parallel.reduce_dtype`: parallel/compression.py) and delayed synchronisation
+(`parallel.sync_every`: parallel/local_sgd.py). DDP runs count the bytes each rank hands to the
+gradient collectives through a counting process group (`parallel.count_grad_bytes`).
 
 - The bytes per step are exactly what `plan` predicts for each remedy (the whole fp32 gradient; half
-  of it in bf16; PowerSGD's P and Q of each matrix plus the vectors whole).
+  of it in bf16; PowerSGD's P and Q of each matrix plus the vectors whole; the weights' change
+  once every H steps and nothing between).
 - The loss curves stay in a stated band of the uncompressed run's (the mean loss of the last 8 of 24
-  steps, where what compression loses has piled up): bf16 reduction, PowerSGD at rank 4. Each
-  remedy broken on purpose leaves its band: bf16's hook handing buckets back unreduced
-  (`comm.skip_reduce`), PowerSGD with its error feedback dropped (`comm.no_error_feedback`).
-- A PowerSGD run killed after a checkpoint and restarted by the elastic agent continues bitwise:
-  its error feedback, P, Q and generator are in the checkpoint, per rank.
+  steps, where what a remedy loses has piled up): bf16 reduction (DDP's hook, FSDP2's reduce
+  dtype), PowerSGD at rank 4, local SGD at H = 4. Each remedy broken on purpose leaves its band:
+  bf16's hook handing buckets back unreduced (`comm.skip_reduce`), PowerSGD with its error
+  feedback dropped (`comm.no_error_feedback`), local SGD's outer step skipped (`comm.skip_outer`).
+- A PowerSGD run and a DiLoCo run killed after a checkpoint and restarted by the elastic agent
+  continue bitwise: PowerSGD's error feedback, P, Q and generator, DiLoCo's inner moments (per
+  rank) and outer momentum are in the checkpoint.
 - With its gradients over a link slowed on purpose (`comm.slow_link`), the run's exposed wait for
-  DDP's reduction is `grad_sync`: doctor calls it communication-bound and names both compressions
-  with the bytes `plan` counts (benchmarks/slow_link.py times the remedies on the same link).
+  DDP's reduction is `grad_sync`: doctor calls it communication-bound and names the remedies
+  with the bytes `plan` counts (benchmarks/slow_link.py times them on the same link).
 """
 
 from __future__ import annotations
@@ -33,6 +38,7 @@ START = 4  # PowerSGD's first compressed step
 COMMON = ["train.max_steps=%d" % STEPS, "train.eval_every=0", "log.every_steps=1", "checkpoint.interval_steps=8",
           "parallel.data_parallel=ddp", "parallel.dp_replicate=2", "parallel.dp_shard=1",
           "parallel.count_grad_bytes=true", "parallel.powersgd_rank=4", f"parallel.powersgd_start_step={START}"]
+FSDP = ["parallel.data_parallel=fsdp", "parallel.dp_replicate=1", "parallel.dp_shard=2", "parallel.count_grad_bytes=false"]
 RUNS = {
     "none": ([], {}),
     "bf16": (["parallel.grad_compression=bf16"], {}),
@@ -44,6 +50,9 @@ RUNS = {
     # SIGKILLed on rank 1 after step 13 of the first attempt; the agent restarts from step 8's checkpoint.
     "powersgd-killed": (["parallel.grad_compression=powersgd", "--max-restarts", "1"],
                         {"TRAINBOOK_FAULT": "train.after_step@13:r1:a0"}),
+    # FSDP2 over the same 2 ranks: reduce-scattered in fp32, and in bf16 (its reduce dtype).
+    "fsdp": (FSDP, {}),
+    "fsdp-reduce-bf16": ([*FSDP, "parallel.reduce_dtype=bf16"], {}),
     # Delayed synchronisation, H = 4: local SGD (the replicas' average), the same with the outer
     # step skipped on purpose (the replicas never meet again), DiLoCo (outer Nesterov) and DiLoCo killed.
     "local-sgd": (["parallel.sync_every=4", "parallel.outer_optimizer=average"], {}),
@@ -112,6 +121,15 @@ def test_loss_curves_stay_in_band_and_a_broken_remedy_leaves_it(runs, mode):
     assert gap <= BANDS[mode] < broken, (gap, broken)
 
 
+def test_fsdp_reducing_in_bf16_stays_in_band_of_fp32(runs):
+    """FSDP2's reduce dtype (its own mechanism): the curve within bf16's band of the fp32 reduce-
+    scatter's; that the reduced gradients really are bf16 numbers kept in fp32 is
+    tests/dist/test_fsdp_numerics.py's."""
+    gap = _tail_gap(runs["fsdp-reduce-bf16"], runs["fsdp"])
+    print(f"fsdp reduce_dtype bf16: relative gap of the last 8 steps' mean loss {gap:.2e} (band {BANDS['bf16']:.0e})")
+    assert 0 < gap <= BANDS["bf16"], gap
+
+
 @pytest.mark.parametrize("remedy", ["powersgd", "diloco"])
 def test_a_killed_run_restarts_bitwise(runs, remedy):
     """PowerSGD's per-rank error feedback; DiLoCo's per-rank inner moments and outer momentum."""
@@ -129,7 +147,7 @@ def test_delayed_synchronisation_sends_the_weights_once_every_h_steps(runs):
         assert sent == {s: per_sync if s % 4 == 0 else 0 for s in range(2, STEPS + 1)}, (name, sent)
 
 
-def test_doctor_calls_a_slow_link_communication_bound_and_names_the_compressions(runs, root):
+def test_doctor_calls_a_slow_link_communication_bound_and_names_the_remedies(runs, root):
     done = run_cli("doctor", str(root / "slow-link"))
     lines = done.stdout.splitlines()
     assert done.returncode == 1 and lines[0].startswith("communication-bound: exposed gradient communication"), done.stdout
@@ -137,3 +155,5 @@ def test_doctor_calls_a_slow_link_communication_bound_and_names_the_compressions
     full, bf16, powersgd = (human(_plan_bytes(m)) for m in ("none", "bf16", "powersgd"))
     assert f'parallel.grad_compression = "bf16" ({full} -> {bf16} per rank and pass)' in advice, advice
     assert f'parallel.grad_compression = "powersgd" ({full} -> {powersgd} per rank and pass, rank 4)' in advice, advice
+    quarter = human(_plan_bytes("none") // 4)
+    assert f"parallel.sync_every = 4 (local SGD / DiLoCo: {full} once every 4 steps, {quarter} per step)" in advice, advice
