@@ -2,11 +2,13 @@
 recipe's model and data: compressed gradient reduction (`parallel.grad_compression`,
 `parallel.reduce_dtype`: parallel/compression.py) and delayed synchronisation
 (`parallel.sync_every`: parallel/local_sgd.py). DDP runs count the bytes each rank hands to the
-gradient collectives through a counting process group (`parallel.count_grad_bytes`).
+gradient collectives through a counting process group, FSDP runs at FSDP2's reduce-scatter
+(`parallel.count_grad_bytes`).
 
 - The bytes per step are exactly what `plan` predicts for each remedy (the whole fp32 gradient; half
   of it in bf16; PowerSGD's P and Q of each matrix plus the vectors whole; the weights' change
-  once every H steps and nothing between).
+  once every H steps and nothing between); FSDP2's reduce-scatters, counted at its custom
+  reduce-scatter seam, take the whole gradient in fp32 and half of it with reduce_dtype bf16.
 - The loss curves stay in a stated band of the uncompressed run's (the mean loss of the last 8 of 24
   steps, where what a remedy loses has piled up): bf16 reduction (DDP's hook, FSDP2's reduce
   dtype), PowerSGD at rank 4, local SGD at H = 4. Each remedy broken on purpose leaves its band:
@@ -38,7 +40,7 @@ START = 4  # PowerSGD's first compressed step
 COMMON = ["train.max_steps=%d" % STEPS, "train.eval_every=0", "log.every_steps=1", "checkpoint.interval_steps=8",
           "parallel.data_parallel=ddp", "parallel.dp_replicate=2", "parallel.dp_shard=1",
           "parallel.count_grad_bytes=true", "parallel.powersgd_rank=4", f"parallel.powersgd_start_step={START}"]
-FSDP = ["parallel.data_parallel=fsdp", "parallel.dp_replicate=1", "parallel.dp_shard=2", "parallel.count_grad_bytes=false"]
+FSDP = ["parallel.data_parallel=fsdp", "parallel.dp_replicate=1", "parallel.dp_shard=2"]
 RUNS = {
     "none": ([], {}),
     "bf16": (["parallel.grad_compression=bf16"], {}),
@@ -122,9 +124,12 @@ def test_loss_curves_stay_in_band_and_a_broken_remedy_leaves_it(runs, mode):
 
 
 def test_fsdp_reducing_in_bf16_stays_in_band_of_fp32(runs):
-    """FSDP2's reduce dtype (its own mechanism): the curve within bf16's band of the fp32 reduce-
-    scatter's; that the reduced gradients really are bf16 numbers kept in fp32 is
-    tests/dist/test_fsdp_numerics.py's."""
+    """FSDP2's reduce dtype (its own mechanism): half the bytes into every step's reduce-scatters,
+    and the curve within bf16's band of the fp32 reduce-scatter's; that the reduced gradients
+    really are bf16 numbers kept in fp32 is tests/dist/test_fsdp_numerics.py's."""
+    full = _plan_bytes("none")  # the whole trainable gradient in fp32, as DDP sends it
+    for name, sent in (("fsdp", full), ("fsdp-reduce-bf16", full // 2)):  # counted at FSDP2's reduce-scatter
+        assert {r["grad_bytes"] for r in runs[name]} == {sent}, name
     gap = _tail_gap(runs["fsdp-reduce-bf16"], runs["fsdp"])
     print(f"fsdp reduce_dtype bf16: relative gap of the last 8 steps' mean loss {gap:.2e} (band {BANDS['bf16']:.0e})")
     assert 0 < gap <= BANDS["bf16"], gap

@@ -57,9 +57,10 @@ class ParallelConfig(Section):
     """PowerSGD: the first optimizer step compressed; the steps before all-reduce uncompressed
     (the gradients of the first steps change fastest)."""
     count_grad_bytes: bool = False
-    """DDP: count the bytes each rank hands to the gradient collectives (through a counting
-    process group, parallel/compression.py) and write them per step as `grad_bytes` in
-    metrics.jsonl (what `plan` predicts per step, with or without compression)."""
+    """Count the bytes each rank hands to the gradient collectives (DDP and delayed
+    synchronisation: through a counting process group; FSDP2: at its reduce-scatter;
+    parallel/compression.py) and write them per step as `grad_bytes` in metrics.jsonl (what
+    `plan` predicts, with or without a remedy)."""
     sync_every: int = Field(default=0, ge=0)
     """Delayed synchronisation (parallel/local_sgd.py): 0 synchronises gradients every step;
     H > 0 trains each DDP replica on its own for H steps (no gradient all-reduce), then takes an

@@ -36,7 +36,7 @@ from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selectiv
 from trainbook.model.lora import LoRALinear
 from trainbook.model.loss import ChunkedLoss
 from trainbook.model.moe import Router
-from trainbook.parallel.compression import CompressionSpec, CountingGroup, DDPCompression
+from trainbook.parallel.compression import CompressionSpec, CountingGroup, DDPCompression, count_reduce_scatter
 from trainbook.parallel.cp import ContextParallel
 from trainbook.parallel.dims import ParallelDims
 from trainbook.parallel.local_sgd import OuterLoop
@@ -101,6 +101,8 @@ def parallelize(model: nn.Module, dims: ParallelDims, mesh, opts: ApplyOptions) 
         else:
             experts = None if expert_mesh is None else expert_dp_mesh(expert_mesh, dims)
             apply_fsdp(model, dp_mesh(mesh, dims), opts.mp_policy, experts)
+            if opts.compression.count_bytes:
+                model.grad_bytes = count_reduce_scatter(model)
     return model
 
 

@@ -19,7 +19,7 @@ tiny batch whose buckets the hook passes through uncommunicated, and every run, 
 trains on the rebuilt layout from its first step.
 
 `CountingGroup` (`parallel.count_grad_bytes`) is DDP's process group with a count of the bytes each
-rank hands to its collectives: what `plan` predicts per step (`ddp_gradient_bytes`). Under the
+rank hands to its collectives (under FSDP2, `count_reduce_scatter` counts its reduce-scatters): what `plan` predicts per step (`ddp_gradient_bytes`). Under the
 `comm.slow_link` fault it also completes each collective late by its bytes over a slow link's rate.
 
 Whenever trainbook's hook runs, the time from the last bucket's hook (every gradient computed) to the
@@ -129,6 +129,33 @@ class CountingGroup(dist.ProcessGroup):
 
     def barrier(self, opts=None):
         return self.inner.barrier() if opts is None else self.inner.barrier(opts)
+
+
+def count_reduce_scatter(model: nn.Module):
+    """FSDP2's gradient reduce-scatters counted (`parallel.count_grad_bytes`): every FSDP module of
+    `model` reduce-scatters through one counting `ReduceScatter` (FSDP2's own seam for a custom
+    collective, `set_custom_reduce_scatter`), which adds up the bytes of each input (the unsharded
+    gradient in the reduce dtype) before handing it to the default one. Returns the counter
+    (`take()`, as CountingGroup's)."""
+    from torch.distributed.fsdp import FSDPModule
+    from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultReduceScatter
+
+    class CountingReduceScatter(DefaultReduceScatter):
+        sent = 0
+
+        def __call__(self, output_tensor, input_tensor, group, op, async_op=False):
+            self.sent += input_tensor.numel() * input_tensor.element_size()
+            return super().__call__(output_tensor, input_tensor, group, op, async_op)
+
+        def take(self) -> int:
+            sent, self.sent = self.sent, 0
+            return sent
+
+    counter = CountingReduceScatter()
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.set_custom_reduce_scatter(counter)
+    return counter
 
 
 class DDPCompression:

@@ -31,11 +31,13 @@ def gradient_path(dims: ParallelDims, cfg: PlanInputs) -> list[dict]:
                              f"backward ({human(block * pd)} per block in {_dtype(pd, cfg)}; the root's embedding, "
                              f"norm and head, {human(root * pd)}, once per pass and kept; the last block "
                              f"stays gathered for backward)"})
-        path.append({"dim": shard_dim, "op": "reduce-scatter", "bytes": block * 4, "per": "block",
-                     "text": f"reduce-scatter each block's gradient after its backward ({human(block * 4)} per "
-                             f"block in fp32): every pass, {accum} pass(es) per step"})
+        rd = 2 if p.reduce_dtype == "bf16" else 4  # parallel.reduce_dtype: FSDP2's reduce dtype
+        path.append({"dim": shard_dim, "op": "reduce-scatter", "bytes": block * rd, "per": "block",
+                     "text": f"reduce-scatter each block's gradient after its backward ({human(block * rd)} per "
+                             f"block in {p.reduce_dtype}; the root's {human(root * rd)} once): every pass, "
+                             f"{accum} pass(es) per step"})
         if dims.dp_replicate > 1:
-            shard = (m.n_layers * block + root) * 4 // (dims.dp_shard * dims.cp) // dims.pp
+            shard = (m.n_layers * block + root) * rd // (dims.dp_shard * dims.cp) // dims.pp
             path.append({"dim": "dp_replicate", "op": "all-reduce", "bytes": shard, "per": "pass",
                          "text": f"all-reduce the reduce-scattered gradient shards across the {dims.dp_replicate} "
                                  f"replicas (HSDP; ~{human(shard)} per rank per pass)"})
