@@ -27,7 +27,7 @@ from trainbook.model import build_model, num_params
 from trainbook.model.count import count
 from trainbook.model.lora import apply_lora
 from trainbook.parallel.dims import MESH_DIMS, ParallelDims, pipeline_microbatches
-from trainbook.parallel.plan_comm import gradient_path
+from trainbook.parallel.plan_comm import compression_remedies, gradient_path
 from trainbook.parallel.plan_memory import PlanInputs, context_table, memory, numel, rank_of
 
 ADAM_STEP_BYTES = 4  # AdamW's per-parameter `step`: a float32 scalar tensor
@@ -189,6 +189,7 @@ def make_plan(cfg: PlanInputs, dims: ParallelDims, device_memory: int | None = N
         "params": _params(ranks, dims),
         "batch": _batch(cfg, dims),
         "gradient_path": gradient_path(dims, cfg),
+        "gradient_remedies": compression_remedies(dims, cfg),
     }
     plan["memory"] = memory(ranks, dims, cfg, plan["pipeline"], device_memory)
     worst = plan["memory"]["largest"]["rank"]

@@ -66,6 +66,8 @@ def render(plan: dict) -> str:
                      f"{b['pp_microbatch_samples']} sample(s)")
     lines += ["", "Gradient path (per optimizer step)"]
     lines += [f"  {g['dim']:<13}{g['text']}" for g in plan["gradient_path"]] or ["  one rank: none"]
+    if plan["gradient_remedies"]:  # what this layout could send instead (doctor names them too)
+        lines += ["  fewer data-parallel bytes:", *(f"    {r}" for r in plan["gradient_remedies"])]
     lines += [""] + _memory_lines(plan["memory"])
     return "\n".join(lines)
 

@@ -264,7 +264,7 @@ def test_text_and_json_say_the_same(llama8b, key):
     world_size = LAYOUTS_8B[key][0]
     plan = llama8b[key]
     assert set(plan) == {"recipe", "world_size", "model", "precision", "lora", "mesh", "pipeline", "params", "batch",
-                         "gradient_path", "memory", "expect"}
+                         "gradient_path", "gradient_remedies", "memory", "expect"}
     assert plan["lora"] is None
     text = render(plan)  # what plan_command prints without --json
     headings = [line for line in text.splitlines() if line and not line.startswith(" ")]
@@ -275,6 +275,11 @@ def test_text_and_json_say_the_same(llama8b, key):
     assert re.search(r"layers\.\*\.attention\.wq\.weight \(x32\)\s+4096 x 4096", text)
     assert ("reduce-scatter each block's gradient" in text) == (world_size > 1)
     assert ("  tp " in text) == (world_size == 4)  # the tp rows of the mesh and of the gradient path
+    # What FSDP without tp could reduce-scatter instead: in text as in JSON (none under tp, none on one rank).
+    assert len(plan["gradient_remedies"]) == (world_size in (2, 8))
+    assert all(f"    {r}" in text for r in plan["gradient_remedies"])
+    if plan["gradient_remedies"]:
+        assert plan["gradient_remedies"][0].startswith('parallel.reduce_dtype = "bf16" (each pass\'s gradient reduce-scatter:')
 
 
 # ---- Qwen on 8 ranks: the published parameter counts ---------------------------------------------
