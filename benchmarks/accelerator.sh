@@ -134,7 +134,7 @@ log "peer: $peer"
 if ! leg cuda; then
   log "cuda paths: skipped (--legs)"
 elif [[ $dry == 1 ]]; then
-  log "cuda paths: skipped (--dry-run: pinned-memory loader, NCCL + flight recorder, OOM memory snapshot, MoE bf16 grouped_mm)"
+  log "cuda paths: skipped (--dry-run: pinned-memory loader, NCCL + flight recorder, OOM memory snapshot, MoE bf16 grouped_mm, DDP compression hooks on NCCL)"
   echo "skipped (--dry-run)" > "$OUT/cuda-paths.txt"
 else
   : > "$OUT/cuda-paths.txt"
@@ -162,6 +162,14 @@ else
     echo "moe bf16 grouped_mm: ok (10 steps)" >> "$OUT/cuda-paths.txt"
   else
     echo "moe bf16 grouped_mm: FAILED" >> "$OUT/cuda-paths.txt"
+  fi
+  # parallel.grad_compression's hooks on the device over NCCL (one rank: the casts, PowerSGD's
+  # matrix products and orthogonalisation on CUDA; each hook checked on known values first).
+  if tb bench comm --grad-compression --nproc 1 --max-bytes 16MiB --iters 5 > "$work/hooks.txt" 2>>"$OUT/suite.log"; then
+    echo "ddp compression hooks (nccl): ok ($(grep -c '^powersgd' "$work/hooks.txt") sizes)" >> "$OUT/cuda-paths.txt"
+    cat "$work/hooks.txt" >> "$OUT/suite.log"
+  else
+    echo "ddp compression hooks (nccl): FAILED" >> "$OUT/cuda-paths.txt"
   fi
   cat "$OUT/cuda-paths.txt" | tee -a "$OUT/suite.log"
 fi

@@ -129,7 +129,7 @@ def compression_remedies(dims: ParallelDims, cfg: PlanInputs) -> list[str]:
             + (f", rank {p.powersgd_rank}" if mode == "powersgd" else "") + ")"
             for mode, b in sent.items() if mode != p.grad_compression] + [
         f"parallel.sync_every = {LOCAL_SGD_H} (local SGD / DiLoCo: {human(full)} once every {LOCAL_SGD_H} steps, "
-        f"{human(full // LOCAL_SGD_H)} per step)"]
+        f"{human(full // LOCAL_SGD_H)} per step)"] * (p.grad_compression == "none")  # it sends no gradients to compress
 
 
 def trainable_shapes(cfg: PlanInputs) -> list[tuple[int, ...]]:

@@ -131,9 +131,10 @@ class LocalEngine:
         return self.rt.all_reduce_mean(mean, over=dims.dp * dims.tp * dims.cp)
 
     def report_eval(self, total: torch.Tensor) -> torch.Tensor:
-        # Every rank evaluated the same batches: the same total, or under cp its share's.
+        # Every rank evaluated the same batches: the same total, or under cp its share's, or
+        # between outer steps (parallel.sync_every) its own replica's: their mean.
         dims = self.rt.dims
-        return self.rt.all_reduce_mean(total, over=self.rt.world_size) if dims.cp > 1 else total
+        return self.rt.all_reduce_mean(total, over=self.rt.world_size) if dims.cp > 1 or self.apart else total
 
 
 class PipelineEngine:
