@@ -29,7 +29,10 @@ def test_bench_model_reports_rate_mfu_split_and_memory_without_data(tmp_path, na
     assert b["tokens_per_s"] == pytest.approx(b["tokens_per_step"] / b["step_s"])
     flops = flops_per_token(model, 32)
     assert b["mfu"] == pytest.approx(b["tokens_per_s"] * flops / b["peak_flops"])
-    assert 0 < b["mfu"] < 1
+    # Positive, not below 1: the CPU's peak is probed beside the suite's other workers, whose load
+    # may change between the probe and the steps (1.08 seen in a full run; the accelerator dry run
+    # asks the same).
+    assert b["mfu"] > 0
     assert set(b["phases"]) == {"forward", "backward", "optimizer", "other"}
     assert all(v >= 0 for k, v in b["phases"].items() if k != "other")
     assert sum(b["phases"].values()) == pytest.approx(b["step_s"], rel=0.05)
