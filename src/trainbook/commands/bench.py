@@ -21,7 +21,7 @@ from trainbook.config import Config
 from trainbook.data import Prepared, TrainLoader
 from trainbook.errors import TrainbookError
 from trainbook.parallel import pick_device
-from trainbook.parallel.comm_bench import KiB, MiB, describe, format_table, message_sizes
+from trainbook.parallel.comm_bench import KiB, MiB, message_sizes, render
 from trainbook.runs import RunPaths
 from trainbook.sizes import parse_size
 from trainbook.train.build import one_process
@@ -158,8 +158,4 @@ def bench_comm_command(
         if not out.exists() or proc.returncode != 0:
             raise RuntimeError(f"comm bench failed (exit code {proc.returncode}):\n{log[-3000:]}")
         result = json.loads(out.read_text())
-    if grad_compression:
-        from trainbook.parallel.comm_bench_hooks import format_hook_table
-
-        return describe(result) + "\n" + format_hook_table(result["records"])
-    return describe(result) + "\n" + format_table(result["records"])
+    return render(result)

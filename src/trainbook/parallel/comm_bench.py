@@ -188,6 +188,15 @@ def describe(result: dict) -> str:
             f"time = slowest rank's mean; {how}")
 
 
+def render(result: dict) -> str:
+    """The line saying what was measured, then its table (collectives, or compression hooks)."""
+    if result.get("grad_compression"):
+        from trainbook.parallel.comm_bench_hooks import format_hook_table
+
+        return describe(result) + "\n" + format_hook_table(result["records"])
+    return describe(result) + "\n" + format_table(result["records"])
+
+
 def _size(text: str) -> int:
     try:
         return parse_size(text, where="bytes")
@@ -224,19 +233,16 @@ def main(argv: Sequence[str] | None = None) -> None:
     backend = BACKENDS[device.type]
     dist.init_process_group(backend, device_id=device if device.type == "cuda" else None)
     if args.grad_compression:
-        from trainbook.parallel.comm_bench_hooks import format_hook_table, run_hook_bench
+        from trainbook.parallel.comm_bench_hooks import run_hook_bench
 
-        records = run_hook_bench(sizes, args.iters, args.warmup, device)
-        dtype, table = "float32", format_hook_table
+        records, dtype = run_hook_bench(sizes, args.iters, args.warmup, device), "float32"
     else:
-        records = run_comm_bench(sizes, args.iters, args.warmup, DTYPES[args.dtype], device)
-        dtype, table = args.dtype, format_table
+        records, dtype = run_comm_bench(sizes, args.iters, args.warmup, DTYPES[args.dtype], device), args.dtype
     if dist.get_rank() == 0:
         result = {"backend": backend, "device": device.type, "world_size": dist.get_world_size(),
                   "dtype": dtype, "iters": args.iters, "warmup": args.warmup,
                   "grad_compression": args.grad_compression, "records": records}
-        print(describe(result))
-        print(table(records))
+        print(render(result))
         if args.json is not None:
             tmp = args.json.with_name(args.json.name + ".tmp")
             tmp.write_text(json.dumps(result, indent=1))

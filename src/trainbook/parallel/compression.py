@@ -19,8 +19,9 @@ tiny batch whose buckets the hook passes through uncommunicated, and every run, 
 trains on the rebuilt layout from its first step.
 
 `CountingGroup` (`parallel.count_grad_bytes`) is DDP's process group with a count of the bytes each
-rank hands to its collectives (under FSDP2, `count_reduce_scatter` counts its reduce-scatters): what `plan` predicts per step (`ddp_gradient_bytes`). Under the
-`comm.slow_link` fault it also completes each collective late by its bytes over a slow link's rate.
+rank hands to its collectives (under FSDP2, `count_reduce_scatter` counts its reduce-scatters):
+what `plan` predicts per step (`ddp_gradient_bytes`). Under the `comm.slow_link` fault it also
+completes each collective late by its bytes over a slow link's rate.
 
 Whenever trainbook's hook runs, the time from the last bucket's hook (every gradient computed) to the
 end of backward is DDP's exposed communication: `on_reduce` marks it, and the step reports it as
@@ -29,11 +30,10 @@ end of backward is DDP's exposed communication: `on_reduce` marks it, and the st
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import os
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -64,13 +64,14 @@ class CompressionSpec:
     """The `comm.slow_link` fault: DDP's collectives complete as over a link of this many MB/s (0: off)."""
 
     @property
-    def hooked(self) -> bool:
-        return self.mode != "none" or self.count_bytes or self.link_mbps > 0
-
-    @property
     def wrapped(self) -> bool:
         """DDP's group is a `CountingGroup` (bytes counted, or a slow link)."""
         return self.count_bytes or self.link_mbps > 0
+
+    @property
+    def hooked(self) -> bool:
+        """DDP runs trainbook's hook (which also marks its exposed wait as grad_sync)."""
+        return self.mode != "none" or self.wrapped
 
 
 def compression_spec(p: ParallelConfig, accum_steps: int) -> CompressionSpec:
@@ -79,7 +80,24 @@ def compression_spec(p: ParallelConfig, accum_steps: int) -> CompressionSpec:
                            p.count_grad_bytes, link)
 
 
-class CountingGroup(dist.ProcessGroup):
+class ByteTally:
+    """Bytes handed to collectives (`sent`), taken per step record."""
+
+    sent = 0
+
+    def take(self) -> int:
+        """The bytes sent since the last call."""
+        sent, self.sent = self.sent, 0
+        return sent
+
+    def count(self, tensors: list[torch.Tensor]) -> int:
+        """Add `tensors`' bytes; returns them."""
+        n = sum(t.numel() * t.element_size() for t in tensors)
+        self.sent += n
+        return n
+
+
+class CountingGroup(ByteTally, dist.ProcessGroup):
     """A process group that hands every collective to `inner` and adds up the bytes of the tensors
     this rank contributes (`sent`): an all-reduce's input, a broadcast's tensor, an all-gather's
     input. The algorithm's own traffic (a ring sends about twice that) is the backend's; this is
@@ -90,28 +108,19 @@ class CountingGroup(dist.ProcessGroup):
     would beside a slow network, and only what it waits for shows."""
 
     def __init__(self, inner: dist.ProcessGroup, link_mbps: float = 0.0):
-        super().__init__(inner.rank(), inner.size())
+        dist.ProcessGroup.__init__(self, inner.rank(), inner.size())
         self.inner = inner
-        self.sent = 0
         self.seconds_per_byte = 1e-6 / link_mbps if link_mbps > 0 else 0.0
-
-    def take(self) -> int:
-        """The bytes sent since the last call."""
-        sent, self.sent = self.sent, 0
-        return sent
-
-    def _count(self, tensors: list[torch.Tensor]) -> None:
-        self.sent += sum(t.numel() * t.element_size() for t in tensors)
 
     def getBackendName(self) -> str:  # noqa: N802 (torch's name)
         return "counting"
 
     def allreduce(self, tensors, opts=None):
-        self._count(tensors)
+        sent = self.count(tensors)
         work = self.inner.allreduce(tensors) if opts is None else self.inner.allreduce(tensors, opts)
         if not self.seconds_per_byte:
             return work
-        delay = self.seconds_per_byte * sum(t.numel() * t.element_size() for t in tensors)
+        delay = self.seconds_per_byte * sent
 
         def late(done):
             time.sleep(delay)
@@ -120,11 +129,11 @@ class CountingGroup(dist.ProcessGroup):
         return torch._C._distributed_c10d._create_work_from_future(work.get_future().then(late))
 
     def broadcast(self, tensors, opts=None):
-        self._count(tensors)
+        self.count(tensors)
         return self.inner.broadcast(tensors) if opts is None else self.inner.broadcast(tensors, opts)
 
     def allgather(self, outputs, inputs, opts=None):
-        self._count(inputs)
+        self.count(inputs)
         return self.inner.allgather(outputs, inputs) if opts is None else self.inner.allgather(outputs, inputs, opts)
 
     def barrier(self, opts=None):
@@ -136,20 +145,14 @@ def count_reduce_scatter(model: nn.Module):
     `model` reduce-scatters through one counting `ReduceScatter` (FSDP2's own seam for a custom
     collective, `set_custom_reduce_scatter`), which adds up the bytes of each input (the unsharded
     gradient in the reduce dtype) before handing it to the default one. Returns the counter
-    (`take()`, as CountingGroup's)."""
+    (a `ByteTally`, as `CountingGroup` is)."""
     from torch.distributed.fsdp import FSDPModule
     from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultReduceScatter
 
-    class CountingReduceScatter(DefaultReduceScatter):
-        sent = 0
-
+    class CountingReduceScatter(ByteTally, DefaultReduceScatter):
         def __call__(self, output_tensor, input_tensor, group, op, async_op=False):
-            self.sent += input_tensor.numel() * input_tensor.element_size()
+            self.count([input_tensor])
             return super().__call__(output_tensor, input_tensor, group, op, async_op)
-
-        def take(self) -> int:
-            sent, self.sent = self.sent, 0
-            return sent
 
     counter = CountingReduceScatter()
     for module in model.modules():

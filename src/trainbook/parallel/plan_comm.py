@@ -85,6 +85,7 @@ def _ddp_path(dims: ParallelDims, cfg: PlanInputs, grads: int) -> dict:
     trainable parameters' shapes exactly, as `CountingGroup` counts them."""
     p = cfg.parallel
     mode = p.grad_compression
+    shapes = None  # compression and sync_every come with pp = tp = 1 (parallel/dims.py refuses others)
     if dims.pp == 1 and dims.tp == 1:
         shapes = trainable_shapes(cfg)
         grads = ddp_gradient_bytes(shapes, "none")

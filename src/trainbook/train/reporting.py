@@ -22,7 +22,7 @@ from trainbook.monitor import RankSpread, StepReport
 from trainbook.monitor.flops import Peak, mfu
 from trainbook.monitor.host import cpu_times, cpu_wait_share
 from trainbook.monitor.sinks import due
-from trainbook.parallel.compression import CountingGroup
+from trainbook.parallel.compression import ByteTally
 from trainbook.parallel.device import peak_memory_bytes
 from trainbook.parallel.runtime import Runtime
 from trainbook.phase import Phase, PhaseTracker
@@ -41,7 +41,7 @@ class StepReports:
     def __init__(self, rt: Runtime, tracker: PhaseTracker, loader: TrainLoader, delivered: DeliveredMix,
                  phase_memory: PhaseMemory, scaler: LossScaler, *, tokens_per_step: int, flops_per_token: float,
                  peak: Peak | None, logged: Callable[[int], bool], stragglers: StragglerObserver | None,
-                 experts: Experts | None = None, grad_bytes: CountingGroup | None = None):
+                 experts: Experts | None = None, grad_bytes: ByteTally | None = None):
         self.rt, self.tracker, self.loader, self.delivered = rt, tracker, loader, delivered
         self.phase_memory, self.scaler = phase_memory, scaler
         self.tokens_per_step, self.flops_per_token, self.peak = tokens_per_step, flops_per_token, peak
